@@ -1,0 +1,323 @@
+"""Local sandbox backend: each sandbox is a private copy of the task's workspace on this host.
+
+Commands run with `bash -lc` in their own process group; a timeout (or the end of the
+command) kills the whole group, and output is capped while it streams.
+
+Isolation (setting `isolation`):
+- `bwrap`: commands run under bubblewrap with a read-only view of the host, the workspace
+  copy mounted read-write at the spec's `workdir`, a private `/tmp`, their own PID namespace
+  (nothing outlives a command) and, unless the spec allows network, no network.
+- `none`: commands run directly on the host as the current user. This is NOT a security
+  boundary: a command can read and write anything the user can and can leave processes
+  behind. Use it only for trusted code, or inside a container you treat as the boundary.
+- `auto` (default): `bwrap` if bubblewrap is installed and works here, else `none`.
+CPU, memory and PID limits in the spec are not enforced by this backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import posixpath
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from patchgym.core.errors import ConfigError, SandboxLostError, SandboxStartError
+from patchgym.core.output import CappedBuffer
+from patchgym.core.sandbox import DEFAULT_MAX_OUTPUT_BYTES, ExecResult, Sandbox, SandboxBackend, SandboxPathError, SandboxSpec
+
+Isolation = Literal["auto", "none", "bwrap"]
+T = TypeVar("T")
+
+_ROOT_PREFIX = "patchgym-"
+_LABELS_FILE = "labels.json"
+_HIDDEN_FROM_BWRAP = {"proc", "dev", "sys", "tmp"}
+
+
+def _bwrap_works() -> bool:
+    if shutil.which("bwrap") is None:
+        return False
+    probe = subprocess.run(
+        ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "true"],
+        capture_output=True,
+        timeout=30,
+    )
+    return probe.returncode == 0
+
+
+def _host_root_binds(workdir: str) -> list[str]:
+    """bwrap arguments exposing every top-level host directory read-only, except a few."""
+    hidden = _HIDDEN_FROM_BWRAP | {workdir.strip("/").split("/")[0]}
+    args: list[str] = []
+    for entry in sorted(os.scandir("/"), key=lambda e: e.name):
+        if entry.name in hidden:
+            continue
+        if entry.is_symlink():
+            args += ["--symlink", os.readlink(entry.path), entry.path]
+        else:
+            args += ["--ro-bind", entry.path, entry.path]
+    return args
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a sandbox's files, even ones a command made read-only."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return
+    except OSError:
+        subprocess.run(["chmod", "-R", "u+rwX", str(path)], capture_output=True)
+        shutil.rmtree(path)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def _pump(stream: asyncio.StreamReader, sink: CappedBuffer) -> None:
+    while chunk := await stream.read(1 << 16):
+        sink.write(chunk)
+
+
+class LocalSandbox(Sandbox):
+    """A workspace copy under `root/work` with a private temp dir `root/tmp`."""
+
+    def __init__(self, backend: LocalSandboxBackend, root: Path, spec: SandboxSpec, bwrap: bool) -> None:
+        self._backend = backend
+        self._root = root
+        self._spec = spec
+        self._bwrap = bwrap
+        self._closed = False
+        self.workdir = spec.workdir if bwrap else str(root / "work")
+        self._tmp_view = "/tmp" if bwrap else str(root / "tmp")
+        path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        self._env = {
+            "HOME": f"{self._tmp_view}/home",
+            "TMPDIR": self._tmp_view,
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "PAGER": "cat",
+            "GIT_PAGER": "cat",
+            **spec.env,
+            "PATH": path,
+        }
+        self.root = root
+
+    @property
+    def bash_profile(self) -> str:
+        """Login shells reset PATH from /etc/profile; the sandbox's profile restores it."""
+        return f"export PATH={json.dumps(self._env['PATH'])}\n"
+
+    def _host_path(self, path: str) -> Path:
+        view = posixpath.normpath(path if path.startswith("/") else posixpath.join(self.workdir, path))
+        for visible, host in ((self.workdir, self._root / "work"), (self._tmp_view, self._root / "tmp")):
+            if view == visible or view.startswith(visible.rstrip("/") + "/"):
+                resolved = (host / posixpath.relpath(view, visible)).resolve()
+                if resolved.is_relative_to(self._root.resolve()):
+                    return resolved
+        raise SandboxPathError(
+            f"{path!r} is outside this sandbox: file operations are limited to the workspace "
+            f"{self.workdir} and the temp directory {self._tmp_view}"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxLostError("this sandbox is closed; create a new one")
+
+    def _argv(self, cmd: str, cwd: str) -> list[str]:
+        shell = ["bash", "-lc", cmd]
+        if not self._bwrap:
+            return shell
+        args = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+        if not self._spec.network:
+            args.append("--unshare-net")
+        args += self._backend.root_binds(self._spec.workdir)
+        args += ["--dev", "/dev", "--proc", "/proc"]
+        args += ["--bind", str(self._root / "work"), self._spec.workdir, "--bind", str(self._root / "tmp"), "/tmp"]
+        return [*args, "--chdir", cwd, "--", *shell]
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        timeout_s: float,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> ExecResult:
+        self._check_open()
+        view_cwd = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
+        host_cwd = self._host_path(view_cwd)
+        if not host_cwd.is_dir():
+            return ExecResult(exit_code=1, stdout="", stderr=f"cwd {view_cwd!r} is not a directory in the sandbox\n")
+        started = time.perf_counter()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(cmd, view_cwd),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={**self._env, **(env or {})},
+                cwd=host_cwd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SandboxLostError(f"could not start a command in the local sandbox: {exc}") from exc
+        stdout, stderr = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
+        assert proc.stdout is not None and proc.stderr is not None
+        readers = [asyncio.create_task(_pump(proc.stdout, stdout)), asyncio.create_task(_pump(proc.stderr, stderr))]
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            _kill_group(proc.pid)  # also removes background processes the command left behind
+            _, pending = await asyncio.wait(readers, timeout=self._backend.drain_timeout_s)
+            for reader in pending:
+                reader.cancel()
+        code = await proc.wait()
+        return ExecResult(
+            exit_code=None if timed_out else (128 - code if code < 0 else code),
+            stdout=stdout.text(),
+            stderr=stderr.text(),
+            timed_out=timed_out,
+            truncated=stdout.truncated or stderr.truncated,
+            duration_s=time.perf_counter() - started,
+        )
+
+    async def read_file(self, path: str) -> bytes:
+        self._check_open()
+        return await self._backend.run_io(self._host_path(path).read_bytes)
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        self._check_open()
+        target = self._host_path(path)
+        payload = data.encode() if isinstance(data, str) else data
+
+        def write() -> None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(payload)
+
+        await self._backend.run_io(write)
+
+    async def upload_dir(self, local_dir: Path, path: str) -> None:
+        self._check_open()
+        copy = partial(shutil.copytree, local_dir, self._host_path(path), symlinks=True, dirs_exist_ok=True)
+        await self._backend.run_io(copy)
+
+    async def download_dir(self, path: str, local_dir: Path) -> None:
+        self._check_open()
+        copy = partial(shutil.copytree, self._host_path(path), local_dir, symlinks=True, dirs_exist_ok=True)
+        await self._backend.run_io(copy)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._backend.run_io(_remove_tree, self._root)
+
+
+class LocalSandboxBackend(SandboxBackend):
+    """Sandboxes as workspace copies in temp directories; see the module docstring."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        isolation: Isolation = "auto",
+        root_dir: str | Path | None = None,
+        io_workers: int = 8,
+        drain_timeout_s: float = 2.0,
+    ) -> None:
+        if isolation not in ("auto", "none", "bwrap"):
+            raise ConfigError(f"local sandbox isolation must be 'auto', 'none' or 'bwrap', got {isolation!r}")
+        if isolation == "bwrap" and not _bwrap_works():
+            raise ConfigError(
+                "isolation='bwrap' needs a working bubblewrap: install it (apt-get install bubblewrap) "
+                "and allow unprivileged user namespaces, or use isolation='none'"
+            )
+        self.isolation = isolation if isolation != "auto" else ("bwrap" if _bwrap_works() else "none")
+        self.root_dir = Path(root_dir) if root_dir else Path(tempfile.gettempdir())
+        self.io_workers = io_workers
+        self.drain_timeout_s = drain_timeout_s
+        self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="patchgym-local-io")
+        self._root_binds: dict[str, list[str]] = {}
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "isolation": self.isolation,
+            "root_dir": str(self.root_dir),
+            "io_workers": self.io_workers,
+            "drain_timeout_s": self.drain_timeout_s,
+            "enforces_resource_limits": False,
+        }
+
+    def root_binds(self, workdir: str) -> list[str]:
+        if workdir not in self._root_binds:
+            self._root_binds[workdir] = _host_root_binds(workdir)
+        return self._root_binds[workdir]
+
+    async def run_io(self, fn: Any, *args: Any) -> Any:
+        """Run blocking file I/O on the backend's own thread pool (sized by `io_workers`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def create(self, spec: SandboxSpec) -> LocalSandbox:
+        if spec.workspace is None:
+            hint = f" (it names the image {spec.image!r}: use the docker backend)" if spec.image else ""
+            raise SandboxStartError(f"the local sandbox backend needs a task with a workspace directory{hint}")
+        workspace = Path(spec.workspace)
+        if not workspace.is_dir():
+            raise SandboxStartError(f"workspace {str(workspace)!r} does not exist or is not a directory")
+        try:
+            root = Path(await self.run_io(partial(tempfile.mkdtemp, prefix=_ROOT_PREFIX, dir=self.root_dir)))
+        except OSError as exc:
+            raise SandboxStartError(f"cannot create a sandbox directory in {self.root_dir}: {exc}") from exc
+        sandbox = LocalSandbox(self, root, spec, bwrap=self.isolation == "bwrap")
+        try:
+            await self.run_io(self._populate, root, workspace, spec, sandbox.bash_profile)
+        except OSError as exc:
+            await self.run_io(_remove_tree, root)
+            raise SandboxStartError(f"cannot copy workspace {str(workspace)!r} into a sandbox: {exc}") from exc
+        return sandbox
+
+    @staticmethod
+    def _populate(root: Path, workspace: Path, spec: SandboxSpec, bash_profile: str) -> None:
+        shutil.copytree(workspace, root / "work", symlinks=True)
+        home = root / "tmp" / "home"
+        home.mkdir(parents=True)
+        (home / ".bash_profile").write_text(bash_profile)
+        labels = {"labels": dict(spec.labels), "owner_pid": os.getpid()}
+        (root / _LABELS_FILE).write_text(json.dumps(labels))
+
+    async def reap(self, labels: Mapping[str, str]) -> int:
+        def sweep() -> int:
+            removed = 0
+            for root in self.root_dir.glob(f"{_ROOT_PREFIX}*"):
+                try:
+                    found = json.loads((root / _LABELS_FILE).read_text())["labels"]
+                except (OSError, ValueError, KeyError):
+                    continue
+                if all(found.get(key) == value for key, value in labels.items()):
+                    _remove_tree(root)
+                    removed += 1
+            return removed
+
+        return await self.run_io(sweep)
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,188 @@
+"""The `patchgym` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from patchgym.core.actions import SUBMIT_SENTINEL
+from patchgym.core.errors import PatchgymError
+from patchgym.core.plugins import KIND_LABELS, registry
+from patchgym.core.sandbox import SandboxBackend
+from patchgym.core.tasks import TaskSet
+from patchgym.core.validation import TaskValidation, validate_task
+
+app = typer.Typer(help="patchgym: train software-engineering agents with reinforcement learning.", no_args_is_help=True)
+tasks_app = typer.Typer(help="Inspect and validate task sets.", no_args_is_help=True)
+env_app = typer.Typer(help="Use the SWE environment by hand.", no_args_is_help=True)
+app.add_typer(tasks_app, name="tasks")
+app.add_typer(env_app, name="env")
+console = Console()
+F = TypeVar("F", bound=Callable[..., Any])
+
+TaskSetArg = Annotated[str, typer.Argument(help="a task set name (see `patchgym plugins`) or a folder of tasks")]
+SandboxOpt = Annotated[str, typer.Option("--sandbox", help="sandbox backend name")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+
+
+def friendly_errors(fn: F) -> F:
+    """Turn patchgym's own errors into a red message and exit code 2."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PatchgymError as exc:
+            console.print(f"[red]error:[/red] {exc}", highlight=False)
+            raise typer.Exit(2) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def load_task_set(name: str) -> TaskSet:
+    if Path(name).is_dir():
+        return registry().create("task_set", "folder", path=name)
+    return registry().create("task_set", name)
+
+
+@app.command()
+@friendly_errors
+def plugins(as_json: JsonOpt = False) -> None:
+    """List plugins, what they registered, and any that failed to load."""
+    reg = registry()
+    records = [record.as_dict() for record in reg.plugins()]
+    conflicts = reg.conflicts()
+    if as_json:
+        print(json.dumps({"plugins": records, "conflicts": conflicts}, indent=2))
+        return
+    table = Table("plugin", "status", "registers", "source")
+    for record in records:
+        status = {"loaded": "[green]loaded", "failed": "[red]failed", "disabled": "[yellow]disabled"}[record["status"]]
+        detail = record["error"] or ", ".join(record["registered"]) or "-"
+        table.add_row(record["name"], status, detail, record["source"])
+    console.print(table)
+    for kind, label in KIND_LABELS.items():
+        console.print(f"{label}s: {', '.join(reg.names(kind)) or '-'}")
+    for conflict in conflicts:
+        console.print(f"[red]conflict:[/red] {conflict}", highlight=False)
+
+
+@tasks_app.command("list")
+@friendly_errors
+def tasks_list(task_set: TaskSetArg, as_json: JsonOpt = False) -> None:
+    """List the tasks of a task set."""
+    tasks = list(load_task_set(task_set))
+    rows = [{"id": t.id, "title": t.instruction.strip().splitlines()[0].lstrip("# ") if t.instruction.strip() else ""} for t in tasks]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("task", "title", title=f"{task_set}: {len(rows)} tasks")
+    for row in rows:
+        table.add_row(row["id"], row["title"])
+    console.print(table)
+
+
+async def _validate_all(task_set: TaskSet, backend: SandboxBackend, limit: int | None, concurrency: int) -> list[TaskValidation]:
+    tasks = list(task_set)[:limit]
+    gate = asyncio.Semaphore(concurrency)
+    columns = (TextColumn("validating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("validate", total=len(tasks))
+
+        async def one(task: Any) -> TaskValidation:
+            async with gate:
+                result = await validate_task(backend, task)
+            progress.advance(bar)
+            return result
+
+        try:
+            return list(await asyncio.gather(*(one(task) for task in tasks)))
+        finally:
+            await backend.aclose()
+
+
+@tasks_app.command("validate")
+@friendly_errors
+def tasks_validate(
+    task_set: TaskSetArg,
+    sandbox: SandboxOpt = "local",
+    limit: Annotated[int | None, typer.Option(help="validate only the first N tasks")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="tasks validated at once")] = 4,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check every task: its gold patch must earn reward 1 and the empty patch reward 0."""
+    loaded = load_task_set(task_set)
+    backend = registry().create("sandbox", sandbox)
+    results = asyncio.run(_validate_all(loaded, backend, limit, concurrency))
+    invalid = [r for r in results if not r.valid]
+    if as_json:
+        print(json.dumps({"valid": not invalid, "tasks": [r.as_dict() for r in results]}, indent=2))
+    else:
+        table = Table("task", "gold", "empty", "valid", "seconds", "problems", title=f"{task_set} on {sandbox}")
+        for r in results:
+            d = r.as_dict()
+            mark = "[green]yes" if r.valid else "[red]NO"
+            table.add_row(r.task_id, str(d["gold_reward"]), str(d["empty_reward"]), mark, f"{r.duration_s:.1f}", "; ".join(r.problems))
+        console.print(table)
+        console.print(f"{len(results) - len(invalid)}/{len(results)} tasks valid")
+    if invalid:
+        raise typer.Exit(1)
+
+
+@env_app.command("play")
+@friendly_errors
+def env_play(task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local") -> None:
+    """Be the agent: type bash commands, see what the agent would see. `submit` ends and grades."""
+    from patchgym.envs.swe import SWEEnv
+
+    env = SWEEnv(load_task_set(task_set), sandbox)
+    try:
+        observation, info = env.reset(options={"task": task_id})
+        console.print(info["system_prompt"], style="dim", highlight=False)
+        console.print(observation, highlight=False)
+        if info["infra_error"]:
+            console.print(f"[red]infrastructure error:[/red] {info['infra_error']['message']}", highlight=False)
+            raise typer.Exit(1)
+        console.print("\n[bold]Type a bash command per line; `submit` to submit, `quit` or Ctrl-D to stop.[/bold]")
+        done = False
+        while not done:
+            try:
+                line = console.input("[bold cyan]$ [/bold cyan]")
+            except EOFError:
+                line = "quit"
+            if not line.strip():
+                continue
+            if line.strip() == "quit":
+                reward, info = env.truncate("quit")
+                break
+            message = SUBMIT_SENTINEL if line.strip() == "submit" else f"```bash\n{line}\n```"
+            observation, reward, terminated, truncated, info = env.step(message)
+            console.print(observation, highlight=False)
+            done = terminated or truncated
+        _print_outcome(reward, info)
+    finally:
+        env.close()
+
+
+def _print_outcome(reward: float, info: dict[str, Any]) -> None:
+    console.print(f"\nepisode ended: {info['termination']}; reward {reward}")
+    if info["infra_error"]:
+        console.print(f"[red]infrastructure error:[/red] {info['infra_error']['message']}", highlight=False)
+    elif info["grade"]:
+        details = info["grade"]["details"]
+        for label in ("fail_to_pass", "pass_to_pass"):
+            if label in details:
+                console.print(f"{label}: {details[label]['passed']}/{details[label]['total']} passing")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,254 @@
+"""The plugin registry: task sets, sandbox, inference and trainer backends by name.
+
+Plugins are pluggy plugins with registrar hooks (`register_task_sets(register)`, ...). The
+built-ins are loaded by module name and third-party plugins from the entry-point group
+`patchgym`; both register through the same hooks. Each plugin is loaded and called in
+isolation: one that fails is reported (`patchgym plugins`) and the rest keep working. Two
+plugins registering the same name make that name an error that names both. Environment:
+`PATCHGYM_DISABLE_PLUGINS=a,b` blocks plugins; `PATCHGYM_PLUGINS=a,b` loads only those
+third-party plugins. A name of the form "module:attr" resolves without any registration.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pluggy
+
+from patchgym.core.errors import ConfigError, PluginError
+
+PROJECT = "patchgym"
+ENTRY_POINT_GROUP = "patchgym"
+PLUGIN_API_VERSION = 1
+"""A plugin module may set `PATCHGYM_PLUGIN_API = 1`; another value is refused."""
+
+BUILTIN_PLUGINS = {
+    "builtin-sandboxes": "patchgym.backends.sandbox.plugin",
+    "builtin-tasks": "patchgym.plugins.folder",
+}
+
+Kind = Literal["task_set", "sandbox", "inference", "trainer"]
+KIND_LABELS: dict[Kind, str] = {
+    "task_set": "task set",
+    "sandbox": "sandbox backend",
+    "inference": "inference backend",
+    "trainer": "trainer backend",
+}
+HOOKS: dict[str, Kind] = {
+    "register_task_sets": "task_set",
+    "register_sandbox_backends": "sandbox",
+    "register_inference_backends": "inference",
+    "register_trainer_backends": "trainer",
+}
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+Register = Callable[..., None]
+
+
+class HookSpecs:
+    """Registrar hooks. Each receives `register(name, factory, description="")`."""
+
+    @hookspec
+    def register_task_sets(self, register: Register) -> None:
+        """Register task sets: `factory(**options) -> TaskSet`."""
+
+    @hookspec
+    def register_sandbox_backends(self, register: Register) -> None:
+        """Register sandbox backends: `factory(**settings) -> SandboxBackend`."""
+
+    @hookspec
+    def register_inference_backends(self, register: Register) -> None:
+        """Register inference backends: `factory(**settings) -> InferenceEngine`."""
+
+    @hookspec
+    def register_trainer_backends(self, register: Register) -> None:
+        """Register trainer backends: `factory(**settings) -> Trainer`."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    kind: Kind
+    name: str
+    factory: Callable[..., Any]
+    plugin: str
+    description: str = ""
+
+
+@dataclass
+class PluginRecord:
+    """What happened to one plugin: `status` is loaded, failed or disabled."""
+
+    name: str
+    source: str
+    status: str = "loaded"
+    error: str | None = None
+    registered: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("name", "source", "status", "error", "registered")}
+
+
+def _env_names(variable: str) -> set[str] | None:
+    value = os.environ.get(variable)
+    return None if value is None else {name.strip() for name in value.split(",") if name.strip()}
+
+
+def _short_error(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+    return f"{type(exc).__name__}: {exc}{at}"
+
+
+class Registry:
+    """Loads plugins once, lazily, and resolves names to factories."""
+
+    def __init__(
+        self,
+        builtins: dict[str, str] | None = None,
+        entry_point_group: str | None = ENTRY_POINT_GROUP,
+    ) -> None:
+        self._builtins = BUILTIN_PLUGINS if builtins is None else builtins
+        self._group = entry_point_group
+        self._loaded = False
+        self._records: dict[str, PluginRecord] = {}
+        self._entries: dict[tuple[Kind, str], list[Registration]] = {}
+        self.manager = pluggy.PluginManager(PROJECT)
+        self.manager.add_hookspecs(HookSpecs)
+
+    # -- loading -----------------------------------------------------------------------
+    def _candidates(self) -> Iterable[tuple[str, str, Callable[[], Any]]]:
+        for name, module in self._builtins.items():
+            yield name, f"builtin module {module}", lambda module=module: importlib.import_module(module)
+        if self._group is None:
+            return
+        allowed = _env_names("PATCHGYM_PLUGINS")
+        for ep in importlib.metadata.entry_points(group=self._group):
+            if allowed is not None and ep.name not in allowed:
+                continue
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+            yield ep.name, f"entry point {ep.value} from {dist}", ep.load
+
+    def load(self) -> None:
+        """Import every plugin and call its registrar hooks, each in isolation."""
+        if self._loaded:
+            return
+        self._loaded = True
+        disabled = _env_names("PATCHGYM_DISABLE_PLUGINS") or set()
+        for name, source, loader in self._candidates():
+            if name in self._records:
+                self._records[f"{name} ({source})"] = PluginRecord(
+                    name, source, "failed", f"another plugin is already named {name!r} ({self._records[name].source})"
+                )
+                continue
+            record = self._records[name] = PluginRecord(name, source)
+            if name in disabled:
+                record.status = "disabled"
+                continue
+            try:
+                plugin = loader()
+                version = getattr(plugin, "PATCHGYM_PLUGIN_API", PLUGIN_API_VERSION)
+                if version != PLUGIN_API_VERSION:
+                    raise PluginError(f"plugin API {version} is not supported (this patchgym speaks {PLUGIN_API_VERSION})")
+                self.manager.register(plugin, name=name)
+                self.manager.check_pending()
+            except Exception as exc:  # a broken plugin must not break the others
+                if self.manager.has_plugin(name):
+                    self.manager.unregister(name=name)
+                record.status, record.error = "failed", _short_error(exc)
+        for hook_name, kind in HOOKS.items():
+            for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
+                self._call_registrar(impl, kind)
+
+    def _call_registrar(self, impl: pluggy.HookImpl, kind: Kind) -> None:
+        record = self._records[impl.plugin_name]
+        staged: list[Registration] = []
+
+        def register(name: str, factory: Callable[..., Any], description: str = "") -> None:
+            if not isinstance(name, str) or not name or ":" in name:
+                raise PluginError(f"invalid {KIND_LABELS[kind]} name {name!r}: use a non-empty name without ':'")
+            staged.append(Registration(kind, name, factory, impl.plugin_name, description))
+
+        try:
+            impl.function(register=register)
+        except Exception as exc:
+            record.status, record.error = "failed", _short_error(exc)
+            return
+        for registration in staged:
+            self._entries.setdefault((kind, registration.name), []).append(registration)
+            record.registered.append(f"{KIND_LABELS[kind]}:{registration.name}")
+
+    def register(self, kind: Kind, name: str, factory: Callable[..., Any], *, plugin: str = "<runtime>") -> None:
+        """Register a factory directly (for programs and tests that build their own parts)."""
+        self.load()
+        self._entries.setdefault((kind, name), []).append(Registration(kind, name, factory, plugin))
+
+    # -- lookup ------------------------------------------------------------------------
+    def plugins(self) -> list[PluginRecord]:
+        self.load()
+        return list(self._records.values())
+
+    def registrations(self, kind: Kind) -> list[Registration]:
+        self.load()
+        return [regs[0] for (k, _), regs in sorted(self._entries.items()) if k == kind]
+
+    def names(self, kind: Kind) -> list[str]:
+        return [registration.name for registration in self.registrations(kind)]
+
+    def conflicts(self) -> list[str]:
+        """A message for every name claimed by more than one plugin."""
+        self.load()
+        return [self._conflict_message(regs) for regs in self._entries.values() if len(regs) > 1]
+
+    def _conflict_message(self, regs: list[Registration]) -> str:
+        sources = " and ".join(f"plugin {r.plugin!r} ({self._records[r.plugin].source})" if r.plugin in self._records else f"{r.plugin!r}" for r in regs)
+        return (
+            f"{KIND_LABELS[regs[0].kind]} {regs[0].name!r} is registered by {sources}; "
+            f"disable one with PATCHGYM_DISABLE_PLUGINS=<plugin name>"
+        )
+
+    def factory(self, kind: Kind, name: str) -> Callable[..., Any]:
+        """The factory for `name`; "module:attr" is imported directly."""
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as exc:
+                raise ConfigError(f"cannot load {KIND_LABELS[kind]} {name!r}: {exc}") from exc
+        self.load()
+        regs = self._entries.get((kind, name))
+        if not regs:
+            known = ", ".join(self.names(kind)) or "(none)"
+            failed = [r.name for r in self._records.values() if r.status == "failed"]
+            hint = f"; plugins that failed to load: {', '.join(failed)} (see `patchgym plugins`)" if failed else ""
+            raise ConfigError(f"unknown {KIND_LABELS[kind]} {name!r}; known: {known}{hint}")
+        if len(regs) > 1:
+            raise PluginError(self._conflict_message(regs))
+        return regs[0].factory
+
+    def create(self, kind: Kind, name: str, **options: Any) -> Any:
+        """Build the named part with `options`."""
+        return self.factory(kind, name)(**options)
+
+
+_registry: Registry | None = None
+
+
+def registry() -> Registry:
+    """The process-wide registry (created on first use)."""
+    global _registry
+    if _registry is None:
+        _registry = Registry()
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry, so the next use loads plugins afresh."""
+    global _registry
+    _registry = None

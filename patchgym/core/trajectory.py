@@ -1,0 +1,46 @@
+"""Records of what happened in an episode: one `Turn` per step, one `Trajectory` per episode."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Turn:
+    """One agent action and what the environment answered.
+
+    The token fields are filled by the rollout loop when a model produced the action.
+    """
+
+    action: str
+    observation: str
+    kind: str
+    """"command", "format_error" or "submit"."""
+    exit_code: int | None = None
+    timed_out: bool = False
+    command_s: float = 0.0
+    llm_s: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_version: int | None = None
+
+
+@dataclass
+class Trajectory:
+    """One episode on one task. `infra_error` set means: never train on it as a zero reward."""
+
+    task_id: str
+    turns: list[Turn] = field(default_factory=list)
+    termination: str | None = None
+    reward: float | None = None
+    grade: dict[str, Any] | None = None
+    infra_error: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def trainable(self) -> bool:
+        return self.infra_error is None and self.reward is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

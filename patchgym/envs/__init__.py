@@ -1,0 +1,5 @@
+"""Environments."""
+
+from patchgym.envs.swe import AsyncSWEEnv, EnvConfig, SWEEnv
+
+__all__ = ["AsyncSWEEnv", "EnvConfig", "SWEEnv"]

@@ -1,0 +1,132 @@
+"""Task folders: patchgym's own simple task format, and the built-in `tiny` task set.
+
+A task set is a directory with one sub-directory per task::
+
+    <task-id>/
+      task.json    {"id", "fail_to_pass", "pass_to_pass", "test_files", optional settings}
+      issue.md     the issue text the agent reads
+      gold.patch   the reference fix (unified diff, paths relative to repo/)
+      repo/        the project in its buggy state, tests included
+
+Each sandbox starts from a copy of `repo/` made into a git repository, so `git diff` shows the
+agent's change. Tests run with the bundled unittest runner unless `test_command` says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from patchgym.core.errors import ConfigError
+from patchgym.core.grading import UNITTEST_COMMAND, TestCommandGrader
+from patchgym.core.plugins import Register, hookimpl
+from patchgym.core.sandbox import SandboxSpec
+from patchgym.core.tasks import Task, TaskSet
+
+TINY_TASKS = Path(__file__).with_name("tiny") / "tasks"
+
+GIT_SNAPSHOT = (
+    "git init -q && git add -A && "
+    "git -c user.name=patchgym -c user.email=patchgym@localhost commit -q -m 'initial state'"
+)
+
+
+class TaskFile(BaseModel):
+    """The schema of `task.json`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    fail_to_pass: list[str]
+    pass_to_pass: list[str] = []
+    test_files: list[str] = ["tests"]
+    test_command: str = UNITTEST_COMMAND
+    report_format: Literal["junit", "pytest", "unittest"] = "junit"
+    test_timeout_s: float = 600.0
+    setup_commands: list[str] = [GIT_SNAPSHOT]
+
+
+def _protected_files(repo: Path, test_files: list[str]) -> dict[str, bytes]:
+    """The pristine bytes of every test file and every conftest.py, keyed by relative path."""
+    found: set[Path] = set(repo.rglob("conftest.py"))
+    for entry in test_files:
+        path = repo / entry
+        if path.is_dir():
+            found.update(path.rglob("*"))
+        else:
+            found.add(path)
+    return {
+        str(p.relative_to(repo)): p.read_bytes()
+        for p in sorted(found)
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def load_task(folder: Path) -> Task:
+    """Read one task folder; a malformed one is a `ConfigError` that names the file."""
+    spec_path = folder / "task.json"
+    try:
+        spec = TaskFile.model_validate(json.loads(spec_path.read_text()))
+    except (OSError, ValueError, ValidationError) as exc:
+        raise ConfigError(f"invalid task file {spec_path}: {exc}") from exc
+    repo = folder / "repo"
+    if not repo.is_dir():
+        raise ConfigError(f"task folder {folder} has no repo/ directory with the project")
+    gold = folder / "gold.patch"
+    grader = TestCommandGrader(
+        test_command=spec.test_command,
+        fail_to_pass=tuple(spec.fail_to_pass),
+        pass_to_pass=tuple(spec.pass_to_pass),
+        test_paths=tuple(spec.test_files),
+        original_files=_protected_files(repo, spec.test_files),
+        report_format=spec.report_format,
+        timeout_s=spec.test_timeout_s,
+    )
+    return Task(
+        id=spec.id,
+        instruction=(folder / "issue.md").read_text(),
+        sandbox=SandboxSpec(workspace=repo, labels={"task_id": spec.id}),
+        grader=grader,
+        setup_commands=tuple(spec.setup_commands),
+        gold_patch=gold.read_text() if gold.exists() else None,
+        metadata={"source": str(folder)},
+    )
+
+
+class FolderTaskSet(TaskSet):
+    """Every task folder under `path`, in name order."""
+
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConfigError(f"task folder set {str(self.path)!r} is not a directory")
+        self.name = name or self.path.name
+
+    @cached_property
+    def _tasks(self) -> list[Task]:
+        folders = sorted(p for p in self.path.iterdir() if (p / "task.json").is_file())
+        if not folders:
+            raise ConfigError(f"{self.path} holds no task folders (sub-directories with a task.json)")
+        return [load_task(folder) for folder in folders]
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self._tasks)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+
+def tiny_task_set() -> FolderTaskSet:
+    """Six small real Python projects with one bug each, shipped with patchgym."""
+    return FolderTaskSet(TINY_TASKS, name="tiny")
+
+
+@hookimpl
+def register_task_sets(register: Register) -> None:
+    register("tiny", tiny_task_set, "six tiny Python projects with one bug each (built in, offline)")
+    register("folder", FolderTaskSet, "task folders on disk (option: path)")
