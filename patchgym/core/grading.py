@@ -1,7 +1,8 @@
 """Grading by running a task's tests inside the sandbox, hardened against reward hacking.
 
 Before the tests run, the grader restores the task's test files (an edited or deleted test
-file comes back, an added one goes away) and removes every `conftest.py` the task did not ship.
+file comes back, an added one goes away) and removes every `conftest.py` and `pytest.ini`
+the task did not ship.
 The test command writes a JUnit XML report into a fresh directory made at grading time, so
 lines printed by the code under test cannot forge a result, and the report must agree with the
 command's exit code. Resolved = every FAIL_TO_PASS test passes and every PASS_TO_PASS test
@@ -30,6 +31,9 @@ UNITTEST_RUNNER = Path(__file__).with_name("unittest_junit.py")
 
 UNITTEST_COMMAND = "python3 -s -E {runner} --report {report} --start tests --top ."
 """Test command for plain-unittest projects whose tests live in `tests/`."""
+
+PROTECTED_FILE_NAMES = ("conftest.py", "pytest.ini")
+"""Files that change how tests run: any the task did not ship are deleted before grading."""
 
 
 def _listing(names: Sequence[str], limit: int = 20) -> list[str]:
@@ -61,7 +65,7 @@ class TestCommandGrader(Grader):
 
     `test_command` may use `{report}` (where the JUnit XML must be written) and `{runner}`
     (the bundled unittest runner). `test_paths` are reset to `original_files`, which must
-    also hold every `conftest.py` the task ships. With `report_format` "pytest" or "unittest"
+    also hold every file named in `PROTECTED_FILE_NAMES` that the task ships. With `report_format` "pytest" or "unittest"
     the command's log is parsed instead (weaker: printed lines can forge it).
     """
 
@@ -133,7 +137,8 @@ class TestCommandGrader(Grader):
             return _failed("grading_setup_failed", {"log_tail": made.output[-2000:]})
         targets = " ".join(shlex.quote(path) for path in self.test_paths)
         removal = f"rm -rf -- {targets}; " if targets else ""
-        cleared = await sandbox.exec(f"{removal}find . -name conftest.py -not -path './.git/*' -delete", timeout_s=120)
+        names = " -o ".join(f"-name {name}" for name in PROTECTED_FILE_NAMES)
+        cleared = await sandbox.exec(f"{removal}find . \\( {names} \\) -not -path './.git/*' -delete", timeout_s=120)
         if not cleared.ok:
             return _failed("grading_setup_failed", {"log_tail": cleared.output[-2000:]})
         for path, data in self.original_files.items():

@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from patchgym.core.errors import ConfigError
-from patchgym.core.grading import UNITTEST_COMMAND, TestCommandGrader
+from patchgym.core.grading import PROTECTED_FILE_NAMES, UNITTEST_COMMAND, TestCommandGrader
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
 from patchgym.core.tasks import Task, TaskSet
@@ -52,8 +52,8 @@ class TaskFile(BaseModel):
 
 
 def _protected_files(repo: Path, test_files: list[str]) -> dict[str, bytes]:
-    """The pristine bytes of every test file and every conftest.py, keyed by relative path."""
-    found: set[Path] = set(repo.rglob("conftest.py"))
+    """The pristine bytes of every test file and protected file, keyed by relative path."""
+    found = {path for name in PROTECTED_FILE_NAMES for path in repo.rglob(name)}
     for entry in test_files:
         path = repo / entry
         if path.is_dir():

@@ -87,6 +87,23 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+async def _wait_exit(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
+    """Wait until the process itself exits (not until its pipes close); False on timeout.
+
+    `Process.wait()` also waits for every holder of the pipes, which a background child
+    can keep open forever; the return code is set as soon as the process exits.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while proc.returncode is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(delay, left))
+        delay = min(delay * 2, 0.05)
+    return True
+
+
 async def _pump(stream: asyncio.StreamReader, sink: CappedBuffer) -> None:
     while chunk := await stream.read(1 << 16):
         sink.write(chunk)
@@ -179,17 +196,15 @@ class LocalSandbox(Sandbox):
         stdout, stderr = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
         assert proc.stdout is not None and proc.stderr is not None
         readers = [asyncio.create_task(_pump(proc.stdout, stdout)), asyncio.create_task(_pump(proc.stderr, stderr))]
-        timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            timed_out = True
+            timed_out = not await _wait_exit(proc, timeout_s)
         finally:
             _kill_group(proc.pid)  # also removes background processes the command left behind
             _, pending = await asyncio.wait(readers, timeout=self._backend.drain_timeout_s)
             for reader in pending:
                 reader.cancel()
-        code = await proc.wait()
+        await _wait_exit(proc, self._backend.drain_timeout_s)
+        code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         return ExecResult(
             exit_code=None if timed_out else (128 - code if code < 0 else code),
             stdout=stdout.text(),
