@@ -244,17 +244,20 @@ class AsyncSWEEnv:
             self.trajectory.grade = None
 
     def _info(self) -> dict[str, Any]:
+        """Step info; phase timings come with the final step (they would break determinism checks)."""
         assert self.trajectory is not None
-        return {
+        info = {
             "task_id": self.trajectory.task_id,
             "turn": len(self.trajectory.turns),
             "format_errors": self._format_errors,
             "termination": self.trajectory.termination,
             "grade": self.trajectory.grade,
             "infra_error": self.trajectory.infra_error,
-            "timings": dict(self.trajectory.timings),
             "limits": self.config.limits(),
         }
+        if self._done:
+            info["timings"] = dict(self.trajectory.timings)
+        return info
 
     async def _close_sandbox(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
