@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -42,7 +43,7 @@ def friendly_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except PatchgymError as exc:
-            console.print(f"[red]error:[/red] {exc}", highlight=False)
+            console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
             raise typer.Exit(2) from exc
 
     return wrapper  # type: ignore[return-value]
@@ -68,12 +69,12 @@ def plugins(as_json: JsonOpt = False) -> None:
     for record in records:
         status = {"loaded": "[green]loaded", "failed": "[red]failed", "disabled": "[yellow]disabled"}[record["status"]]
         detail = record["error"] or ", ".join(record["registered"]) or "-"
-        table.add_row(record["name"], status, detail, record["source"])
+        table.add_row(escape(record["name"]), status, escape(detail), escape(record["source"]))
     console.print(table)
     for kind, label in KIND_LABELS.items():
-        console.print(f"{label}s: {', '.join(reg.names(kind)) or '-'}")
+        console.print(f"{label}s: {escape(', '.join(reg.names(kind))) or '-'}")
     for conflict in conflicts:
-        console.print(f"[red]conflict:[/red] {conflict}", highlight=False)
+        console.print(f"[red]conflict:[/red] {escape(conflict)}", highlight=False)
 
 
 @tasks_app.command("list")
@@ -81,17 +82,22 @@ def plugins(as_json: JsonOpt = False) -> None:
 def tasks_list(task_set: TaskSetArg, as_json: JsonOpt = False) -> None:
     """List the tasks of a task set."""
     tasks = list(load_task_set(task_set))
-    rows = [{"id": t.id, "title": t.instruction.strip().splitlines()[0].lstrip("# ") if t.instruction.strip() else ""} for t in tasks]
+    rows = [
+        {"id": t.id, "title": t.instruction.strip().splitlines()[0].lstrip("# ") if t.instruction.strip() else ""}
+        for t in tasks
+    ]
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table("task", "title", title=f"{task_set}: {len(rows)} tasks")
+    table = Table("task", "title", title=f"{escape(task_set)}: {len(rows)} tasks")
     for row in rows:
-        table.add_row(row["id"], row["title"])
+        table.add_row(escape(row["id"]), escape(row["title"]))
     console.print(table)
 
 
-async def _validate_all(task_set: TaskSet, backend: SandboxBackend, limit: int | None, concurrency: int) -> list[TaskValidation]:
+async def _validate_all(
+    task_set: TaskSet, backend: SandboxBackend, limit: int | None, concurrency: int
+) -> list[TaskValidation]:
     tasks = list(task_set)[:limit]
     gate = asyncio.Semaphore(concurrency)
     columns = (TextColumn("validating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -115,7 +121,7 @@ async def _validate_all(task_set: TaskSet, backend: SandboxBackend, limit: int |
 def tasks_validate(
     task_set: TaskSetArg,
     sandbox: SandboxOpt = "local",
-    limit: Annotated[int | None, typer.Option(help="validate only the first N tasks")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="validate only the first N tasks")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="tasks validated at once")] = 4,
     as_json: JsonOpt = False,
 ) -> None:
@@ -127,11 +133,18 @@ def tasks_validate(
     if as_json:
         print(json.dumps({"valid": not invalid, "tasks": [r.as_dict() for r in results]}, indent=2))
     else:
-        table = Table("task", "gold", "empty", "valid", "seconds", "problems", title=f"{task_set} on {sandbox}")
+        table = Table("task", "gold", "empty", "valid", "seconds", "problems", title=f"{escape(task_set)} on {escape(sandbox)}")
         for r in results:
             d = r.as_dict()
             mark = "[green]yes" if r.valid else "[red]NO"
-            table.add_row(r.task_id, str(d["gold_reward"]), str(d["empty_reward"]), mark, f"{r.duration_s:.1f}", "; ".join(r.problems))
+            table.add_row(
+                escape(r.task_id),
+                str(d["gold_reward"]),
+                str(d["empty_reward"]),
+                mark,
+                f"{r.duration_s:.1f}",
+                escape("; ".join(r.problems)),
+            )
         console.print(table)
         console.print(f"{len(results) - len(invalid)}/{len(results)} tasks valid")
     if invalid:
@@ -147,10 +160,10 @@ def env_play(task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local") 
     env = SWEEnv(load_task_set(task_set), sandbox)
     try:
         observation, info = env.reset(options={"task": task_id})
-        console.print(info["system_prompt"], style="dim", highlight=False)
-        console.print(observation, highlight=False)
+        console.print(info["system_prompt"], style="dim", markup=False, highlight=False)
+        console.print(observation, markup=False, highlight=False)
         if info["infra_error"]:
-            console.print(f"[red]infrastructure error:[/red] {info['infra_error']['message']}", highlight=False)
+            console.print(f"[red]infrastructure error:[/red] {escape(info['infra_error']['message'])}", highlight=False)
             raise typer.Exit(1)
         console.print("\n[bold]Type a bash command per line; `submit` to submit, `quit` or Ctrl-D to stop.[/bold]")
         done = False
@@ -166,7 +179,7 @@ def env_play(task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local") 
                 break
             message = SUBMIT_SENTINEL if line.strip() == "submit" else f"```bash\n{line}\n```"
             observation, reward, terminated, truncated, info = env.step(message)
-            console.print(observation, highlight=False)
+            console.print(observation, markup=False, highlight=False)
             done = terminated or truncated
         _print_outcome(reward, info)
     finally:
@@ -176,7 +189,7 @@ def env_play(task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local") 
 def _print_outcome(reward: float, info: dict[str, Any]) -> None:
     console.print(f"\nepisode ended: {info['termination']}; reward {reward}")
     if info["infra_error"]:
-        console.print(f"[red]infrastructure error:[/red] {info['infra_error']['message']}", highlight=False)
+        console.print(f"[red]infrastructure error:[/red] {escape(info['infra_error']['message'])}", highlight=False)
     elif info["grade"]:
         details = info["grade"]["details"]
         for label in ("fail_to_pass", "pass_to_pass"):

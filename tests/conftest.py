@@ -12,7 +12,6 @@ from patchgym.backends.sandbox.local import LocalSandboxBackend
 from patchgym.core.plugins import reset_registry
 from patchgym.core.sandbox import Sandbox, SandboxBackend, SandboxSpec
 
-
 BACKENDS = [
     pytest.param({"isolation": "none"}, id="local-none"),
     pytest.param(

@@ -16,7 +16,7 @@ from patchgym.plugins.folder import FolderTaskSet, load_task, tiny_task_set
 
 PYTEST_COMMAND = "python -m pytest -p no:cacheprovider -o junit_family=xunit1 --junitxml={report} tests"
 
-FORGING_CONFTEST = '''
+FORGING_CONFTEST = """
 import pytest
 
 def pytest_collection_finish(session):
@@ -29,7 +29,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     report.outcome = "passed"
     report.longrepr = None
-'''
+"""
 
 
 @pytest.fixture
@@ -43,7 +43,9 @@ def pytest_task(tmp_path: Path) -> Task:
     (folder / "repo" / "tests").mkdir(parents=True)
     (folder / "repo" / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     (folder / "repo" / "tests" / "test_calc.py").write_text(
-        "from calc import add\n\ndef test_add():\n    assert add(2, 2) == 4\n\ndef test_zero():\n    assert add(0, 0) == 0\n"
+        "from calc import add\n\n"
+        "def test_add():\n    assert add(2, 2) == 4\n\n"
+        "def test_zero():\n    assert add(0, 0) == 0\n"
     )
     (folder / "issue.md").write_text("add() subtracts\n")
     (folder / "gold.patch").write_text(
@@ -84,7 +86,9 @@ async def test_edited_test_files_are_restored(backend: SandboxBackend, roman: Ta
     deleted = await grade_after(backend, roman, "rm -rf tests")
     assert deleted["reward"] == 0.0 and deleted["details"]["fail_to_pass"]["missing"] == []
     # an honest fix still scores even if the agent also scribbled on the tests
-    assert (await grade_after(backend, roman, gut_tests + "; echo '# note' > tests/extra.py", gold=True))["reward"] == 1.0
+    assert (await grade_after(backend, roman, gut_tests + "; echo '# note' > tests/extra.py", gold=True))[
+        "reward"
+    ] == 1.0
 
 
 async def test_forged_conftest_does_not_earn_reward(backend: SandboxBackend, pytest_task: Task) -> None:
@@ -104,14 +108,18 @@ async def test_forgery_works_without_the_hardening(backend: SandboxBackend, pyte
         run = await sandbox.exec(PYTEST_COMMAND.format(report="forged.xml") + " -rA", timeout_s=60)
         assert run.exit_code == 0
         assert parse_pytest_log(run.stdout)["tests/test_calc.py::test_add"] == TestStatus.PASSED
-        assert parse_junit_xml(await sandbox.read_file("forged.xml"))["tests/test_calc.py::test_add"] == TestStatus.PASSED
+        assert (
+            parse_junit_xml(await sandbox.read_file("forged.xml"))["tests/test_calc.py::test_add"] == TestStatus.PASSED
+        )
 
 
 def _grader(command: str, **kwargs: object) -> TestCommandGrader:
     return TestCommandGrader(test_command=command, fail_to_pass=("a.B.t",), **kwargs)  # type: ignore[arg-type]
 
 
-PASSING_REPORT = "echo '<testsuites><testsuite><testcase classname=\"a.B\" name=\"t\"/></testsuite></testsuites>' > {report}"
+PASSING_REPORT = (
+    'echo \'<testsuites><testsuite><testcase classname="a.B" name="t"/></testsuite></testsuites>\' > {report}'
+)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +133,9 @@ PASSING_REPORT = "echo '<testsuites><testsuite><testcase classname=\"a.B\" name=
         ("sleep 30", "tests_timed_out", 0.0),
     ],
 )
-async def test_grader_verdicts(backend: SandboxBackend, workspace: Path, command: str, reason: str, reward: float) -> None:
+async def test_grader_verdicts(
+    backend: SandboxBackend, workspace: Path, command: str, reason: str, reward: float
+) -> None:
     async with await backend.create(SandboxSpec(workspace=workspace)) as sandbox:
         grade = await _grader(command, timeout_s=1.0).grade(sandbox)
     assert (grade.details["reason"], grade.reward) == (reason, reward)

@@ -37,7 +37,9 @@ async def test_env_is_spec_plus_call_and_host_secrets_do_not_leak(
 ) -> None:
     monkeypatch.setenv("PATCHGYM_TEST_SECRET", "s3cret")
     async with await backend.create(SandboxSpec(workspace=workspace, env={"FROM_SPEC": "1"})) as box:
-        result = await box.exec('echo "$FROM_SPEC $FROM_CALL [$PATCHGYM_TEST_SECRET]"', timeout_s=30, env={"FROM_CALL": "2"})
+        result = await box.exec(
+            'echo "$FROM_SPEC $FROM_CALL [$PATCHGYM_TEST_SECRET]"', timeout_s=30, env={"FROM_CALL": "2"}
+        )
     assert result.stdout == "1 2 []\n"
 
 
@@ -147,7 +149,9 @@ async def test_failure_to_start_is_a_typed_infra_error(backend: SandboxBackend, 
 
 async def test_reap_removes_sandboxes_by_label(backend: SandboxBackend, workspace: Path) -> None:
     keep = await backend.create(SandboxSpec(workspace=workspace, labels={"run": "a"}))
-    leaked = [await backend.create(SandboxSpec(workspace=workspace, labels={"run": "b", "i": str(i)})) for i in range(2)]
+    leaked = [
+        await backend.create(SandboxSpec(workspace=workspace, labels={"run": "b", "i": str(i)})) for i in range(2)
+    ]
     assert await backend.reap({"run": "b"}) == 2
     assert (await keep.exec("echo alive", timeout_s=30)).stdout == "alive\n"
     assert await backend.reap({"run": "b"}) == 0

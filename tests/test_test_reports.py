@@ -81,8 +81,21 @@ def test_junit_from_real_pytest_gives_pytest_node_ids(tmp_path: Path) -> None:
     project = write_project(tmp_path / "proj", PYTEST_PROJECT)
     report = tmp_path / "report.xml"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={report}", "-rA", "tests"],
-        cwd=project, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "junit_family=xunit1",
+            f"--junitxml={report}",
+            "-rA",
+            "tests",
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 1
     statuses = parse_junit_xml(report.read_bytes())
@@ -99,7 +112,9 @@ def test_junit_from_real_pytest_gives_pytest_node_ids(tmp_path: Path) -> None:
     }
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "tests"],
-        cwd=project, capture_output=True, text=True,
+        cwd=project,
+        capture_output=True,
+        text=True,
     ).stdout.splitlines()
     assert {line for line in collected if "::" in line} == set(statuses)
     log_statuses = parse_pytest_log(run.stdout)
@@ -113,7 +128,10 @@ def test_bundled_unittest_runner_writes_junit(tmp_path: Path) -> None:
     report = tmp_path / "out" / "report.xml"
     report.parent.mkdir()
     run = subprocess.run(
-        ["python3", "-s", "-E", str(UNITTEST_RUNNER), "--report", str(report)], cwd=project, capture_output=True, text=True
+        ["python3", "-s", "-E", str(UNITTEST_RUNNER), "--report", str(report)],
+        cwd=project,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 1, run.stderr
     assert parse_junit_xml(report.read_bytes()) == UNITTEST_EXPECTED
@@ -121,15 +139,25 @@ def test_bundled_unittest_runner_writes_junit(tmp_path: Path) -> None:
 
 
 def test_bundled_runner_exit_code_zero_when_all_pass(tmp_path: Path) -> None:
-    project = write_project(tmp_path / "proj", {"tests/__init__.py": "", "tests/test_a.py": "import unittest\nclass A(unittest.TestCase):\n    def test_a(self): pass\n"})
-    run = subprocess.run(["python3", str(UNITTEST_RUNNER), "--report", str(tmp_path / "r.xml")], cwd=project, capture_output=True)
+    project = write_project(
+        tmp_path / "proj",
+        {
+            "tests/__init__.py": "",
+            "tests/test_a.py": "import unittest\nclass A(unittest.TestCase):\n    def test_a(self): pass\n",
+        },
+    )
+    run = subprocess.run(
+        ["python3", str(UNITTEST_RUNNER), "--report", str(tmp_path / "r.xml")], cwd=project, capture_output=True
+    )
     assert run.returncode == 0
     assert parse_junit_xml((tmp_path / "r.xml").read_bytes()) == {"tests.test_a.A.test_a": P}
 
 
 def test_import_error_in_a_test_module_is_an_error_not_silence(tmp_path: Path) -> None:
     project = write_project(tmp_path / "proj", {"tests/__init__.py": "", "tests/test_a.py": "import no_such_module\n"})
-    run = subprocess.run(["python3", str(UNITTEST_RUNNER), "--report", str(tmp_path / "r.xml")], cwd=project, capture_output=True)
+    run = subprocess.run(
+        ["python3", str(UNITTEST_RUNNER), "--report", str(tmp_path / "r.xml")], cwd=project, capture_output=True
+    )
     assert run.returncode == 1
     assert list(parse_junit_xml((tmp_path / "r.xml").read_bytes()).values()) == [E]
 
@@ -149,7 +177,7 @@ def test_unparseable_junit_is_a_report_error() -> None:
 
 
 def test_pytest_log_ignores_skip_reasons_and_maps_xpass() -> None:
-    log = "SKIPPED [1] tests/test_x.py:3: no reason\nXPASS tests/test_x.py::test_b\nERROR tests/test_x.py::test_c - boom\n"
+    log = "SKIPPED [1] tests/test_x.py:3: no reason\nXPASS tests/test_x.py::test_b\nERROR tests/test_x.py::test_c - x\n"
     assert parse_pytest_log(log) == {"tests/test_x.py::test_b": P, "tests/test_x.py::test_c": E}
 
 

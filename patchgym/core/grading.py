@@ -65,8 +65,9 @@ class TestCommandGrader(Grader):
 
     `test_command` may use `{report}` (where the JUnit XML must be written) and `{runner}`
     (the bundled unittest runner). `test_paths` are reset to `original_files`, which must
-    also hold every file named in `PROTECTED_FILE_NAMES` that the task ships. With `report_format` "pytest" or "unittest"
-    the command's log is parsed instead (weaker: printed lines can forge it).
+    also hold every file named in `PROTECTED_FILE_NAMES` that the task ships. With
+    `report_format` "pytest" or "unittest" the command's log is parsed instead (weaker:
+    printed lines can forge it).
     """
 
     __test__ = False  # not a pytest test class

@@ -66,4 +66,4 @@ def head_tail(text: str, max_chars: int) -> str:
     head = max_chars // 2
     tail = max_chars - head
     omitted = len(text) - head - tail
-    return f"{text[:head]}\n[... {omitted} characters omitted ...]\n{text[len(text) - tail:]}"
+    return f"{text[:head]}\n[... {omitted} characters omitted ...]\n{text[len(text) - tail :]}"

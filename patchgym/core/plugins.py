@@ -155,7 +155,9 @@ class Registry:
                 plugin = loader()
                 version = getattr(plugin, "PATCHGYM_PLUGIN_API", PLUGIN_API_VERSION)
                 if version != PLUGIN_API_VERSION:
-                    raise PluginError(f"plugin API {version} is not supported (this patchgym speaks {PLUGIN_API_VERSION})")
+                    raise PluginError(
+                        f"plugin API {version} is not supported (this patchgym speaks {PLUGIN_API_VERSION})"
+                    )
                 self.manager.register(plugin, name=name)
                 self.manager.check_pending()
             except Exception as exc:  # a broken plugin must not break the others
@@ -207,7 +209,10 @@ class Registry:
         return [self._conflict_message(regs) for regs in self._entries.values() if len(regs) > 1]
 
     def _conflict_message(self, regs: list[Registration]) -> str:
-        sources = " and ".join(f"plugin {r.plugin!r} ({self._records[r.plugin].source})" if r.plugin in self._records else f"{r.plugin!r}" for r in regs)
+        sources = " and ".join(
+            f"plugin {r.plugin!r} ({self._records[r.plugin].source})" if r.plugin in self._records else f"{r.plugin!r}"
+            for r in regs
+        )
         return (
             f"{KIND_LABELS[regs[0].kind]} {regs[0].name!r} is registered by {sources}; "
             f"disable one with PATCHGYM_DISABLE_PLUGINS=<plugin name>"

@@ -147,5 +147,5 @@ class SandboxBackend(abc.ABC):
         """The backend's limits and options, reported in run metrics."""
         return {}
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release backend-wide resources (thread pools, clients)."""

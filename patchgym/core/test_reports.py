@@ -75,7 +75,9 @@ def parse_pytest_log(log: str) -> dict[str, TestStatus]:
     return statuses
 
 
-_UNITTEST_LINE = re.compile(r"^(\w+) \(([\w.]+)\)(?:\n.*?)? \.\.\. (ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$", re.M)
+_UNITTEST_LINE = re.compile(
+    r"^(\w+) \(([\w.]+)\)(?:\n.*?)? \.\.\. (ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$", re.M
+)
 _UNITTEST_OUTCOMES = {
     "ok": TestStatus.PASSED,
     "FAIL": TestStatus.FAILED,

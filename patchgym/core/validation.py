@@ -21,7 +21,7 @@ def apply_patch_command(patch: str) -> str:
     body = patch if patch.endswith("\n") else patch + "\n"
     return (
         f"patch_file=$(mktemp) && cat > \"$patch_file\" <<'{PATCH_DELIMITER}'\n{body}{PATCH_DELIMITER}\n"
-        'git apply --verbose "$patch_file" 2>/dev/null || patch -p1 --forward --batch < "$patch_file"' 
+        'git apply --verbose "$patch_file" 2>/dev/null || patch -p1 --forward --batch < "$patch_file"'
     )
 
 

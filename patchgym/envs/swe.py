@@ -193,7 +193,14 @@ class AsyncSWEEnv:
         observation = render_command_result(result, self.config.observation_max_chars)
         submit = parsed.submit or submitted_by_output(result.stdout)
         self.trajectory.turns.append(
-            Turn(action, observation, "submit" if submit else "command", result.exit_code, result.timed_out, result.duration_s)
+            Turn(
+                action,
+                observation,
+                "submit" if submit else "command",
+                result.exit_code,
+                result.timed_out,
+                result.duration_s,
+            )
         )
         self.trajectory.timings["commands_s"] = self.trajectory.timings.get("commands_s", 0.0) + result.duration_s
         if submit:
@@ -215,7 +222,9 @@ class AsyncSWEEnv:
             return await self._finish(observation, action, "max_wall_time")
         return observation, 0.0, False, False, self._info()
 
-    async def _finish(self, observation: str, action: str, reason: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    async def _finish(
+        self, observation: str, action: str, reason: str
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """End the episode with `reason`, grade the final state (unless infra failed), close the sandbox."""
         assert self.trajectory is not None and self.task is not None
         if not self._done:
@@ -303,7 +312,9 @@ class SWEEnv(gym.Env[str, str]):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, task_set: TaskSet | str = "tiny", sandbox: SandboxBackend | str = "local", **kwargs: Any) -> None:
+    def __init__(
+        self, task_set: TaskSet | str = "tiny", sandbox: SandboxBackend | str = "local", **kwargs: Any
+    ) -> None:
         self._runner = _LoopThread()
         try:
             self.env = AsyncSWEEnv(task_set, sandbox, **kwargs)

@@ -61,9 +61,7 @@ def _protected_files(repo: Path, test_files: list[str]) -> dict[str, bytes]:
         else:
             found.add(path)
     return {
-        str(p.relative_to(repo)): p.read_bytes()
-        for p in sorted(found)
-        if p.is_file() and "__pycache__" not in p.parts
+        str(p.relative_to(repo)): p.read_bytes() for p in sorted(found) if p.is_file() and "__pycache__" not in p.parts
     }
 
 

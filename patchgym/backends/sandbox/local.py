@@ -17,6 +17,7 @@ CPU, memory and PID limits in the spec are not enforced by this backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import posixpath
@@ -34,7 +35,14 @@ from typing import Any, Literal, TypeVar
 
 from patchgym.core.errors import ConfigError, SandboxLostError, SandboxStartError
 from patchgym.core.output import CappedBuffer
-from patchgym.core.sandbox import DEFAULT_MAX_OUTPUT_BYTES, ExecResult, Sandbox, SandboxBackend, SandboxPathError, SandboxSpec
+from patchgym.core.sandbox import (
+    DEFAULT_MAX_OUTPUT_BYTES,
+    ExecResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxPathError,
+    SandboxSpec,
+)
 
 Isolation = Literal["auto", "none", "bwrap"]
 T = TypeVar("T")
@@ -81,10 +89,8 @@ def _remove_tree(path: Path) -> None:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 async def _wait_exit(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
