@@ -19,7 +19,7 @@ from patchgym.core.actions import SUBMIT_SENTINEL
 from patchgym.core.errors import PatchgymError
 from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
-from patchgym.core.tasks import TaskSet
+from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import TaskValidation, validate_task
 
 app = typer.Typer(help="patchgym: train software-engineering agents with reinforcement learning.", no_args_is_help=True)
@@ -95,16 +95,13 @@ def tasks_list(task_set: TaskSetArg, as_json: JsonOpt = False) -> None:
     console.print(table)
 
 
-async def _validate_all(
-    task_set: TaskSet, backend: SandboxBackend, limit: int | None, concurrency: int
-) -> list[TaskValidation]:
-    tasks = list(task_set)[:limit]
+async def _validate_all(tasks: list[Task], backend: SandboxBackend, concurrency: int) -> list[TaskValidation]:
     gate = asyncio.Semaphore(concurrency)
     columns = (TextColumn("validating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("validate", total=len(tasks))
 
-        async def one(task: Any) -> TaskValidation:
+        async def one(task: Task) -> TaskValidation:
             async with gate:
                 result = await validate_task(backend, task)
             progress.advance(bar)
@@ -126,14 +123,16 @@ def tasks_validate(
     as_json: JsonOpt = False,
 ) -> None:
     """Check every task: its gold patch must earn reward 1 and the empty patch reward 0."""
-    loaded = load_task_set(task_set)
+    tasks = list(load_task_set(task_set))[:limit]
     backend = registry().create("sandbox", sandbox)
-    results = asyncio.run(_validate_all(loaded, backend, limit, concurrency))
+    results = asyncio.run(_validate_all(tasks, backend, concurrency))
     invalid = [r for r in results if not r.valid]
     if as_json:
         print(json.dumps({"valid": not invalid, "tasks": [r.as_dict() for r in results]}, indent=2))
     else:
-        table = Table("task", "gold", "empty", "valid", "seconds", "problems", title=f"{escape(task_set)} on {escape(sandbox)}")
+        table = Table(
+            "task", "gold", "empty", "valid", "seconds", "problems", title=f"{escape(task_set)} on {escape(sandbox)}"
+        )
         for r in results:
             d = r.as_dict()
             mark = "[green]yes" if r.valid else "[red]NO"

@@ -110,6 +110,14 @@ def test_tasks_list_empty_folder_is_a_friendly_error(tmp_path: Path) -> None:
     assert "no task folders" in text(result)
 
 
+def test_tasks_list_folder_without_a_path_is_a_friendly_error() -> None:
+    result = invoke("tasks", "list", "folder")
+    assert result.exit_code == 2, result.output
+    out = text(result)
+    assert "error:" in out and "path" in out
+    assert "Traceback" not in result.output
+
+
 def test_unknown_task_set_exits_2_listing_known_names() -> None:
     result = invoke("tasks", "list", "nosuchset")
     assert result.exit_code == 2
@@ -148,7 +156,9 @@ def test_validate_folder_with_broken_tasks_exits_1_and_names_the_problems(tmp_pa
     gold = (no_fix / "gold.patch").read_text()
     fixed_line = "+        if index < last and value < _SYMBOLS.get(text[index + 1], 0):"
     assert fixed_line in gold
-    (no_fix / "gold.patch").write_text(gold.replace(fixed_line, "+" + fixed_line[1:].replace("last and", "last - 1 and")))
+    (no_fix / "gold.patch").write_text(
+        gold.replace(fixed_line, "+" + fixed_line[1:].replace("last and", "last - 1 and"))
+    )
     # A FAIL_TO_PASS test that does not exist.
     wrong_id = copy_task("roman-subtractive", tasks, "roman-wrongid")
     spec = json.loads((wrong_id / "task.json").read_text())
@@ -183,6 +193,23 @@ def test_validate_table_output_on_failure(tmp_path: Path) -> None:
     out = text(result)
     assert "0/1 tasks valid" in out
     assert "NO" in out
+
+
+def test_validate_rejects_a_negative_limit() -> None:
+    result = invoke("tasks", "validate", "tiny", "--limit", "-1", "--json")
+    assert result.exit_code == 2, result.output
+    assert "task_id" not in result.output
+
+
+def test_errors_are_not_read_as_rich_markup(tmp_path: Path) -> None:
+    folder = tmp_path / "badset" / "t1"
+    (folder / "repo").mkdir(parents=True)
+    (folder / "task.json").write_text(json.dumps({"id": "t1", "fail_to_pass": "[bold]not-a-list[/bold]"}))
+    result = invoke("tasks", "list", str(tmp_path / "badset"))
+    assert result.exit_code == 2, result.output
+    # pydantic's "[type=list_type, ...]" and the input value's brackets are shown, not swallowed as markup.
+    assert "[type=list_type" in result.output
+    assert "[bold]not-a-list[/bold]" in result.output
 
 
 def test_validate_unknown_sandbox_exits_2_listing_known_names() -> None:
@@ -241,6 +268,16 @@ def test_env_play_shows_the_issue_and_command_output() -> None:
     assert result.exit_code == 0, result.output
     assert issue in result.output
     assert "hi-from-42" in result.output
+    assert _reward(result) == ("quit", "0.0")
+
+
+def test_env_play_shows_command_output_verbatim() -> None:
+    """Brackets in what the agent sees (code, test output) are printed as they are, not read as markup."""
+    commands = 'grep -n "index + 1" roman/__init__.py\necho "a[/]b [bold]c"\nquit\n'
+    result = invoke("env", "play", "tiny", "roman-subtractive", input=commands)
+    assert result.exit_code == 0, result.output
+    assert "_SYMBOLS.get(text[index + 1], 0)" in result.output
+    assert "a[/]b [bold]c" in result.output
     assert _reward(result) == ("quit", "0.0")
 
 

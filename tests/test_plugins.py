@@ -160,11 +160,11 @@ def _setuptools_builds_wheels() -> bool:
 def _hand_built_wheel(project: Path, out: Path, dist: str, version: str, package: str) -> Path:
     """A wheel of `project` written with zipfile (when setuptools cannot build one here)."""
     info = f"{dist.replace('-', '_')}-{version}.dist-info"
-    files = {
-        f"{package}/{p.name}": p.read_bytes() for p in sorted((project / package).iterdir()) if p.is_file()
-    }
+    files = {f"{package}/{p.name}": p.read_bytes() for p in sorted((project / package).iterdir()) if p.is_file()}
     files[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode()
-    files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: patchgym-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    files[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: patchgym-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     files[f"{info}/entry_points.txt"] = f"[patchgym]\nacme = {package}\n".encode()
 
     def digest(data: bytes) -> str:
@@ -228,11 +228,13 @@ def test_installed_distribution_plugin_is_found_by_the_cli(tmp_path: Path) -> No
         )
     )
     target = tmp_path / "site"
-    source = str(project) if _setuptools_builds_wheels() else str(_hand_built_wheel(project, tmp_path, dist, version, package))
-    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index"]
-    installed = subprocess.run(
-        [*pip, "--target", str(target), source], capture_output=True, text=True, timeout=120
+    source = (
+        str(project)
+        if _setuptools_builds_wheels()
+        else str(_hand_built_wheel(project, tmp_path, dist, version, package))
     )
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index"]
+    installed = subprocess.run([*pip, "--target", str(target), source], capture_output=True, text=True, timeout=120)
     assert installed.returncode == 0, installed.stdout + installed.stderr
     assert list(target.glob("*.dist-info/entry_points.txt")), "pip installed no distribution metadata"
 
@@ -306,6 +308,34 @@ def test_plugin_whose_registrar_raises_is_reported_and_others_work(sites: Sites)
     assert "halfway" not in reg.names("task_set")
     assert recs["goodpg"]["status"] == "loaded"
     assert len(reg.create("task_set", "goodset")) == 6
+    assert_builtins_work(reg)
+
+
+@pytest.mark.parametrize("failing_hook", ["register_task_sets", "register_sandbox_backends"])
+def test_plugin_failing_in_one_registrar_contributes_nothing(sites: Sites, failing_hook: str) -> None:
+    """Whichever of its registrars raises (the first called or a later one), a failed plugin registers no names."""
+    source = (
+        "from patchgym.core.plugins import hookimpl\n"
+        "from patchgym.plugins.folder import tiny_task_set\n"
+        "@hookimpl\n"
+        "def register_task_sets(register):\n"
+        "    register('mixedset', tiny_task_set)\n"
+        f"    if {failing_hook == 'register_task_sets'!r}: raise ValueError('task sets exploded')\n"
+        "@hookimpl\n"
+        "def register_sandbox_backends(register):\n"
+        "    register('mixedbox', object)\n"
+        f"    if {failing_hook == 'register_sandbox_backends'!r}: raise ValueError('sandboxes exploded')\n"
+    )
+    sites.add("mixed-dist", {"mixedpg": "mixed"}, {"mixed": source})
+    sites.activate()
+    reg = Registry()
+    rec = records(reg)["mixedpg"]
+    assert rec["status"] == "failed" and "exploded" in rec["error"]
+    assert rec["registered"] == []
+    assert "mixedset" not in reg.names("task_set")
+    assert "mixedbox" not in reg.names("sandbox")
+    with pytest.raises(ConfigError, match="mixedpg"):
+        reg.factory("sandbox", "mixedbox")
     assert_builtins_work(reg)
 
 
@@ -493,6 +523,23 @@ def test_unknown_name_raises_config_error_listing_known_names() -> None:
         reg.factory("sandbox", "nosuchbox")
     with pytest.raises(ConfigError, match=r"known: \(none\)"):
         reg.factory("inference", "nosuchengine")
+
+
+def test_create_with_wrong_options_is_a_config_error() -> None:
+    reg = Registry(entry_point_group=None)
+    with pytest.raises(ConfigError, match=r"task set 'folder'.*path"):
+        reg.create("task_set", "folder")
+    with pytest.raises(ConfigError, match=r"task set 'tiny'.*bogus"):
+        reg.create("task_set", "tiny", bogus=1)
+    assert len(reg.create("task_set", "folder", path=TINY_TASKS)) == 6
+
+    def factory(**options: object) -> object:
+        raise TypeError("raised inside the factory")
+
+    # A TypeError from inside a factory is the factory's bug, not bad options: it is not rewritten.
+    reg.register("trainer", "typeerror", factory)
+    with pytest.raises(TypeError, match="raised inside the factory"):
+        reg.create("trainer", "typeerror", anything=1)
 
 
 def test_runtime_register_adds_a_name() -> None:

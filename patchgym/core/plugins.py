@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import os
 import traceback
 from collections.abc import Callable, Iterable
@@ -160,7 +161,7 @@ class Registry:
                     )
                 self.manager.register(plugin, name=name)
                 self.manager.check_pending()
-            except Exception as exc:  # a broken plugin must not break the others
+            except (Exception, SystemExit) as exc:  # a broken plugin must not break the others
                 if self.manager.has_plugin(name):
                     self.manager.unregister(name=name)
                 record.status, record.error = "failed", _short_error(exc)
@@ -170,6 +171,8 @@ class Registry:
 
     def _call_registrar(self, impl: pluggy.HookImpl, kind: Kind) -> None:
         record = self._records[impl.plugin_name]
+        if record.status != "loaded":  # failed in an earlier registrar: it contributes nothing
+            return
         staged: list[Registration] = []
 
         def register(name: str, factory: Callable[..., Any], description: str = "") -> None:
@@ -181,10 +184,21 @@ class Registry:
             impl.function(register=register)
         except Exception as exc:
             record.status, record.error = "failed", _short_error(exc)
+            self._forget(impl.plugin_name)
             return
         for registration in staged:
             self._entries.setdefault((kind, registration.name), []).append(registration)
             record.registered.append(f"{KIND_LABELS[kind]}:{registration.name}")
+
+    def _forget(self, plugin: str) -> None:
+        """Drop what `plugin` registered in its earlier registrar hooks."""
+        for key, regs in list(self._entries.items()):
+            kept = [r for r in regs if r.plugin != plugin]
+            if kept:
+                self._entries[key] = kept
+            else:
+                del self._entries[key]
+        self._records[plugin].registered.clear()
 
     def register(self, kind: Kind, name: str, factory: Callable[..., Any], *, plugin: str = "<runtime>") -> None:
         """Register a factory directly (for programs and tests that build their own parts)."""
@@ -238,8 +252,18 @@ class Registry:
         return regs[0].factory
 
     def create(self, kind: Kind, name: str, **options: Any) -> Any:
-        """Build the named part with `options`."""
-        return self.factory(kind, name)(**options)
+        """Build the named part with `options`; options its factory does not take are a `ConfigError`."""
+        factory = self.factory(kind, name)
+        try:
+            signature = inspect.signature(factory)
+        except (TypeError, ValueError):  # not introspectable: let the call decide
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(**options)
+            except TypeError as exc:
+                raise ConfigError(f"invalid options for {KIND_LABELS[kind]} {name!r}: {exc}") from exc
+        return factory(**options)
 
 
 _registry: Registry | None = None
