@@ -8,7 +8,8 @@ out is data (`ExecResult`), never an exception; every fault of the infrastructur
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import posixpath
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -75,6 +76,18 @@ class ExecResult:
 
 class SandboxPathError(ValueError):
     """A file path given to a sandbox lies outside the area it exposes."""
+
+
+def confine_path(path: str, workdir: str, roots: Sequence[str]) -> tuple[str, str]:
+    """Split `path` (absolute, or relative to `workdir`) into (the root it lies under, the rest).
+
+    Raises `SandboxPathError` if it lies under none of `roots`; `..` cannot climb out.
+    """
+    view = posixpath.normpath(path if path.startswith("/") else posixpath.join(workdir, path))
+    for root in roots:
+        if view == root or view.startswith(root.rstrip("/") + "/"):
+            return root, posixpath.relpath(view, root)
+    raise SandboxPathError(f"{path!r} is outside this sandbox: file operations are limited to {', '.join(roots)}")
 
 
 class Sandbox(abc.ABC):

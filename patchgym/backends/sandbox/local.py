@@ -42,6 +42,7 @@ from patchgym.core.sandbox import (
     SandboxBackend,
     SandboxPathError,
     SandboxSpec,
+    confine_path,
 )
 
 Isolation = Literal["auto", "none", "bwrap"]
@@ -145,16 +146,12 @@ class LocalSandbox(Sandbox):
         return f"export PATH={json.dumps(self._env['PATH'])}\n"
 
     def _host_path(self, path: str) -> Path:
-        view = posixpath.normpath(path if path.startswith("/") else posixpath.join(self.workdir, path))
-        for visible, host in ((self.workdir, self._root / "work"), (self._tmp_view, self._root / "tmp")):
-            if view == visible or view.startswith(visible.rstrip("/") + "/"):
-                resolved = (host / posixpath.relpath(view, visible)).resolve()
-                if resolved.is_relative_to(self._root.resolve()):
-                    return resolved
-        raise SandboxPathError(
-            f"{path!r} is outside this sandbox: file operations are limited to the workspace "
-            f"{self.workdir} and the temp directory {self._tmp_view}"
-        )
+        root, relative = confine_path(path, self.workdir, (self.workdir, self._tmp_view))
+        host = self._root / ("work" if root == self.workdir else "tmp")
+        resolved = (host / relative).resolve()
+        if not resolved.is_relative_to(self._root.resolve()):
+            raise SandboxPathError(f"{path!r} leads outside this sandbox through a symbolic link")
+        return resolved
 
     def _check_open(self) -> None:
         if self._closed:
