@@ -26,7 +26,9 @@ app = typer.Typer(help="patchgym: train software-engineering agents with reinfor
 tasks_app = typer.Typer(help="Inspect and validate task sets.", no_args_is_help=True)
 env_app = typer.Typer(help="Use the SWE environment by hand.", no_args_is_help=True)
 app.add_typer(tasks_app, name="tasks")
+sandbox_app = typer.Typer(help="Manage sandbox backends.", no_args_is_help=True)
 app.add_typer(env_app, name="env")
+app.add_typer(sandbox_app, name="sandbox")
 console = Console()
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -194,6 +196,40 @@ def _print_outcome(reward: float, info: dict[str, Any]) -> None:
         for label in ("fail_to_pass", "pass_to_pass"):
             if label in details:
                 console.print(f"{label}: {details[label]['passed']}/{details[label]['total']} passing")
+
+
+@sandbox_app.command("build-base")
+@friendly_errors
+def sandbox_build_base(
+    tag: Annotated[str, typer.Option(help="image name to create")] = "patchgym/base:latest",
+    suite: Annotated[str, typer.Option(help="Debian suite for debootstrap")] = "bookworm",
+    mirror: Annotated[str | None, typer.Option(help="Debian mirror URL (default: debootstrap's)")] = None,
+) -> None:
+    """Build the offline base image (Debian minbase + python3, git, patch) without any registry."""
+    from patchgym.backends.sandbox.docker_base import build_base_image
+
+    with console.status(f"debootstrap {suite} and docker import as {tag} (about a minute)"):
+        image_id = build_base_image(tag, suite=suite, mirror=mirror)
+    console.print(f"built {escape(tag)} ({image_id[:19]})")
+
+
+@sandbox_app.command("reap")
+@friendly_errors
+def sandbox_reap(
+    sandbox: SandboxOpt = "docker",
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE a sandbox must carry (repeatable)")] = None,
+) -> None:
+    """Remove leaked sandboxes carrying all the given labels (all patchgym sandboxes if none)."""
+    labels = dict(item.partition("=")[::2] for item in label or [])
+    backend = registry().create("sandbox", sandbox)
+
+    async def reap() -> int:
+        try:
+            return await backend.reap(labels)
+        finally:
+            await backend.aclose()
+
+    console.print(f"removed {asyncio.run(reap())} sandboxes")
 
 
 if __name__ == "__main__":

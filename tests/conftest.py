@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,14 +13,54 @@ from patchgym.backends.sandbox.local import LocalSandboxBackend
 from patchgym.core.plugins import reset_registry
 from patchgym.core.sandbox import Sandbox, SandboxBackend, SandboxSpec
 
-BACKENDS = [
-    pytest.param({"isolation": "none"}, id="local-none"),
-    pytest.param(
-        {"isolation": "bwrap"},
-        id="local-bwrap",
-        marks=pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
-    ),
-]
+
+def docker_problem() -> str | None:
+    """Why the Docker tests cannot run here, or None if they can."""
+    try:
+        import docker
+        import docker.errors
+
+        from patchgym.backends.sandbox.docker import DEFAULT_IMAGE
+    except ImportError:
+        return "the docker SDK is not installed (pip install 'patchgym[docker]')"
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:  # any failure to reach the engine
+        return f"no Docker engine is reachable ({exc})"
+    try:
+        client.images.get(DEFAULT_IMAGE)
+    except docker.errors.ImageNotFound:
+        return f"the base image {DEFAULT_IMAGE} is missing: run `patchgym sandbox build-base`"
+    finally:
+        client.close()
+    return None
+
+
+def require_docker() -> None:
+    """Skip outside CI when Docker is unusable; in CI (CI=true) that is a failure."""
+    problem = docker_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"Docker tests must run in CI: {problem}")
+    pytest.skip(problem)
+
+
+BACKENDS = ["local-none", "local-bwrap", "docker"]
+
+
+def make_backend(kind: str, tmp_path: Path) -> SandboxBackend:
+    if kind == "docker":
+        require_docker()
+        from patchgym.backends.sandbox.docker import DockerSandboxBackend
+
+        return DockerSandboxBackend(concurrency=8)
+    if kind == "local-bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    root = tmp_path / "sandboxes"
+    root.mkdir(exist_ok=True)
+    return LocalSandboxBackend(root_dir=root, isolation=kind.removeprefix("local-"))  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -32,9 +73,7 @@ def workspace(tmp_path: Path) -> Path:
 
 @pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[SandboxBackend]:
-    sandboxes = tmp_path / "sandboxes"
-    sandboxes.mkdir()
-    backend = LocalSandboxBackend(root_dir=sandboxes, **request.param)
+    backend = make_backend(request.param, tmp_path)
     yield backend
     await backend.aclose()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from patchgym.core.test_reports import parse_junit_xml, parse_pytest_log
 from patchgym.core.validation import apply_patch
 from patchgym.plugins.folder import FolderTaskSet, load_task, tiny_task_set
 
-PYTEST_COMMAND = "python -m pytest -p no:cacheprovider -o junit_family=xunit1 --junitxml={report} tests"
+PYTEST_COMMAND = "python3 -m pytest -p no:cacheprovider -o junit_family=xunit1 --junitxml={report} tests"
 
 FORGING_CONFTEST = """
 import pytest
@@ -37,10 +39,27 @@ def roman() -> Task:
     return tiny_task_set().get("roman-subtractive")
 
 
+def pytest_image_context(folder: Path) -> None:
+    """A Dockerfile giving the base image this interpreter's pytest (pure Python, copied offline)."""
+    site = folder / "environment" / "site"
+    for name in ("pytest", "pluggy", "iniconfig", "packaging", "pygments"):
+        distribution = importlib.metadata.distribution(name)
+        for file in distribution.files or []:
+            source = Path(str(distribution.locate_file(file)))
+            if file.parts[0] == ".." or "__pycache__" in file.parts or not source.is_file():
+                continue
+            (site / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, site / file)
+    (folder / "environment" / "Dockerfile").write_text(
+        "FROM patchgym/base:latest\nCOPY site/ /usr/local/lib/python3.11/dist-packages/\n"
+    )
+
+
 @pytest.fixture
 def pytest_task(tmp_path: Path) -> Task:
     folder = tmp_path / "tasks" / "calc-add"
     (folder / "repo" / "tests").mkdir(parents=True)
+    pytest_image_context(folder)
     (folder / "repo" / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     (folder / "repo" / "tests" / "test_calc.py").write_text(
         "from calc import add\n\n"
@@ -56,6 +75,7 @@ def pytest_task(tmp_path: Path) -> Task:
         "fail_to_pass": ["tests/test_calc.py::test_add"],
         "pass_to_pass": ["tests/test_calc.py::test_zero"],
         "test_command": PYTEST_COMMAND,
+        "dockerfile": "environment/Dockerfile",
     }
     (folder / "task.json").write_text(json.dumps(spec))
     return load_task(folder)

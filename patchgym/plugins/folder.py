@@ -3,7 +3,8 @@
 A task set is a directory with one sub-directory per task::
 
     <task-id>/
-      task.json    {"id", "fail_to_pass", "pass_to_pass", "test_files", optional settings}
+      task.json    {"id", "fail_to_pass", "pass_to_pass", "test_files", optional settings,
+                    "image" or "dockerfile" (relative path) for container backends}
       issue.md     the issue text the agent reads
       gold.patch   the reference fix (unified diff, paths relative to repo/)
       repo/        the project in its buggy state, tests included
@@ -49,6 +50,8 @@ class TaskFile(BaseModel):
     report_format: Literal["junit", "pytest", "unittest"] = "junit"
     test_timeout_s: float = 600.0
     setup_commands: list[str] = [GIT_SNAPSHOT]
+    image: str | None = None
+    dockerfile: str | None = None
 
 
 def _protected_files(repo: Path, test_files: list[str]) -> dict[str, bytes]:
@@ -88,7 +91,12 @@ def load_task(folder: Path) -> Task:
     return Task(
         id=spec.id,
         instruction=(folder / "issue.md").read_text(),
-        sandbox=SandboxSpec(workspace=repo, labels={"task_id": spec.id}),
+        sandbox=SandboxSpec(
+            workspace=repo,
+            image=spec.image,
+            dockerfile=folder / spec.dockerfile if spec.dockerfile else None,
+            labels={"task_id": spec.id},
+        ),
         grader=grader,
         setup_commands=tuple(spec.setup_commands),
         gold_patch=gold.read_text() if gold.exists() else None,

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import Register, hookimpl
+from patchgym.core.sandbox import SandboxBackend
 
 
-def _local(**settings):  # type: ignore[no-untyped-def]
+def _local(**settings: Any) -> SandboxBackend:
     from patchgym.backends.sandbox.local import LocalSandboxBackend
 
     return LocalSandboxBackend(**settings)
 
 
+def _docker(**settings: Any) -> SandboxBackend:
+    try:
+        from patchgym.backends.sandbox.docker import DockerSandboxBackend
+    except ImportError as exc:
+        raise ConfigError(
+            f"the docker sandbox backend needs the docker SDK: pip install 'patchgym[docker]' ({exc})"
+        ) from exc
+    return DockerSandboxBackend(**settings)
+
+
 @hookimpl
 def register_sandbox_backends(register: Register) -> None:
     register("local", _local, "workspace copies on this host, isolated with bubblewrap when available")
+    register("docker", _docker, "Docker containers (network off), warm pool, reaping of leaked containers")

@@ -1,0 +1,596 @@
+"""Docker sandbox backend on the `docker` SDK.
+
+Each sandbox is a container running `sleep infinity` under `init` (zombies are reaped), with
+the spec's CPU, memory and PID limits, labels naming its owner, and no network unless the spec
+asks for it (then it joins one shared, pre-created network: never one network per sandbox).
+Commands are `docker exec`s wrapped in-container so that a timeout, the command's end, or a
+cancelled call kills the whole process group; output is read frame by frame into capped
+buffers. Files move as tar archives. The SDK is synchronous: it runs on a thread pool sized by
+`concurrency`, and the HTTP connection pool is sized to match.
+
+Starting sandboxes is taken off the critical path by a warm pool (`pool_size` started
+containers per image and resource shape; a container is used for one sandbox only), and
+containers of this owner's earlier processes that died are reaped when the backend starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import getpass
+import hashlib
+import io
+import os
+import posixpath
+import secrets
+import shlex
+import socket
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import docker
+import docker.errors
+import requests.exceptions
+from docker.models.containers import Container
+from docker.utils.socket import frames_iter
+
+from patchgym.core.errors import (
+    BuildError,
+    ConfigError,
+    InfraError,
+    SandboxLostError,
+    SandboxStartError,
+    TransportError,
+)
+from patchgym.core.output import CappedBuffer
+from patchgym.core.sandbox import (
+    DEFAULT_MAX_OUTPUT_BYTES,
+    ExecResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxSpec,
+    confine_path,
+)
+
+T = TypeVar("T")
+
+DEFAULT_IMAGE = "patchgym/base:latest"
+LABEL = "patchgym"
+_EXEC_DIR = "/tmp/.patchgym-exec"
+_WRAPPER = (
+    f'mkdir -p {_EXEC_DIR}; timeout -k "$3" "$2" bash -lc "$1" </dev/null & pid=$!; echo $pid > {_EXEC_DIR}/"$4"; '
+    f'wait $pid; rc=$?; kill -9 -$pid 2>/dev/null; rm -f {_EXEC_DIR}/"$4"; exit $rc'
+)
+"""Runs "$1" with timeout "$2" (then SIGKILL after "$3" s) in its own process group, records
+the group in a file named "$4" (so a cancelled call can kill it), and kills what is left of the
+group when the command ends."""
+
+
+def owner_name() -> str:
+    """Who owns the containers this process starts: user@host."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _translate(exc: Exception, what: str) -> InfraError:
+    """Map a docker SDK error onto our infrastructure errors."""
+    if isinstance(exc, docker.errors.NotFound):
+        return SandboxLostError(f"{what}: the container is gone ({exc.explanation})")
+    if isinstance(exc, docker.errors.APIError):
+        if exc.status_code == 409:
+            return SandboxLostError(f"{what}: the container is not running ({exc.explanation})")
+        return TransportError(f"{what}: Docker engine error {exc.status_code}: {exc.explanation}")
+    return TransportError(f"{what}: cannot reach the Docker engine: {exc}")
+
+
+_DOCKER_FAULTS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
+def _tar_dir(local_dir: Path) -> tempfile.SpooledTemporaryFile[bytes]:
+    """A tar of `local_dir`'s contents, in memory up to 32 MiB and on disk beyond."""
+    archive = tempfile.SpooledTemporaryFile(max_size=32 << 20)  # noqa: SIM115 - the caller closes it
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        tar.add(str(local_dir), arcname=".")
+    archive.seek(0)
+    return archive
+
+
+def _tar_file(path: str, data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo(path.lstrip("/"))
+        info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+@dataclass
+class _Stream:
+    """The raw socket of a running exec, so another thread can abort the read."""
+
+    sock: Any = None
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        raw = getattr(self.sock, "_sock", self.sock)
+        with contextlib.suppress(Exception):
+            raw.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What makes two containers interchangeable in the warm pool."""
+
+    image: str
+    workdir: str
+    cpus: float | None
+    memory_mb: int | None
+    pids: int | None
+    network: bool
+    env: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, spec: SandboxSpec, image: str) -> _Shape:
+        return cls(
+            image, spec.workdir, spec.cpus, spec.memory_mb, spec.pids, spec.network, tuple(sorted(spec.env.items()))
+        )
+
+
+@dataclass
+class _Pool:
+    ready: list[Container] = field(default_factory=list)
+    filling: int = 0
+
+
+class DockerSandbox(Sandbox):
+    """One container; see the module docstring."""
+
+    def __init__(self, backend: DockerSandboxBackend, container: Container, spec: SandboxSpec) -> None:
+        self._backend = backend
+        self.container = container
+        self.workdir = spec.workdir
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxLostError("this sandbox is closed; create a new one")
+
+    def _path(self, path: str) -> str:
+        root, relative = confine_path(path, self.workdir, (self.workdir, "/tmp"))
+        return posixpath.normpath(posixpath.join(root, relative))
+
+    async def exec(
+        self,
+        cmd: str,
+        *,
+        timeout_s: float,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> ExecResult:
+        self._check_open()
+        token = secrets.token_hex(8)
+        grace = self._backend.kill_grace_s
+        argv = ["sh", "-c", _WRAPPER, "patchgym", cmd, f"{max(timeout_s, 0.001):.3f}", f"{grace:g}", token]
+        workdir = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
+        stream = _Stream()
+        started = time.perf_counter()
+        run = self._backend.run_sync(self._run_exec, argv, workdir, dict(env or {}), max_output_bytes, stream)
+        try:
+            code, stdout, stderr = await asyncio.wait_for(asyncio.shield(run), timeout_s + 2 * grace + 5)
+            client_timeout = False
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            await self._kill_exec(token)
+            stream.abort()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            code, stdout, stderr = await run
+            client_timeout = True
+        duration = time.perf_counter() - started
+        timed_out = client_timeout or (code in (124, 137) and duration >= timeout_s)
+        return ExecResult(
+            exit_code=None if timed_out else code,
+            stdout=stdout.text(),
+            stderr=stderr.text(),
+            timed_out=timed_out,
+            truncated=stdout.truncated or stderr.truncated,
+            duration_s=duration,
+        )
+
+    def _run_exec(
+        self, argv: list[str], workdir: str, env: dict[str, str], limit: int, stream: _Stream
+    ) -> tuple[int | None, CappedBuffer, CappedBuffer]:
+        api = self._backend.client.api
+        stdout, stderr = CappedBuffer(limit), CappedBuffer(limit)
+        try:
+            exec_id = api.exec_create(self.container.id, argv, environment=env, workdir=workdir)["Id"]
+            stream.sock = api.exec_start(exec_id, socket=True)
+            try:
+                for kind, data in frames_iter(stream.sock, tty=False):
+                    (stderr if kind == 2 else stdout).write(data)
+            except OSError:
+                if not stream.aborted:
+                    raise
+            finally:
+                stream.sock.close()
+            return api.exec_inspect(exec_id)["ExitCode"], stdout, stderr
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "exec failed") from exc
+
+    async def _kill_exec(self, token: str) -> None:
+        kill = f"kill -9 -$(cat {_EXEC_DIR}/{token}) 2>/dev/null; rm -f {_EXEC_DIR}/{token}"
+        with contextlib.suppress(InfraError):
+            await self._backend.run_sync(self._simple_exec, kill)
+
+    def _simple_exec(self, cmd: str) -> int:
+        try:
+            return self.container.exec_run(["sh", "-c", cmd]).exit_code
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "exec failed") from exc
+
+    async def read_file(self, path: str) -> bytes:
+        self._check_open()
+        target = self._path(path)
+        for _ in range(8):  # follow symbolic links, each hop confined like the path itself
+            member, data = await self._backend.run_sync(self._get_member, target)
+            if not member.issym():
+                return data
+            link = posixpath.join(posixpath.dirname(target), member.linkname)
+            target = self._path(link)
+        raise OSError(f"too many levels of symbolic links: {path!r}")
+
+    def _get_member(self, target: str) -> tuple[tarfile.TarInfo, bytes]:
+        try:
+            chunks, _ = self.container.get_archive(target)
+            archive = io.BytesIO(b"".join(chunks))
+        except docker.errors.NotFound as exc:
+            if "No such container" in str(exc.explanation):
+                raise SandboxLostError(f"read failed: the container is gone ({exc.explanation})") from exc
+            raise FileNotFoundError(f"no such file in the sandbox: {target}") from exc
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "read failed") from exc
+        with tarfile.open(fileobj=archive) as tar:
+            member = tar.next()
+            if member is None:
+                raise FileNotFoundError(f"no such file in the sandbox: {target}")
+            if member.isdir():
+                raise IsADirectoryError(f"{target} is a directory in the sandbox")
+            extracted = tar.extractfile(member) if member.isfile() else None
+            return member, extracted.read() if extracted else b""
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        self._check_open()
+        payload = _tar_file(self._path(path), data.encode() if isinstance(data, str) else data)
+        await self._backend.run_sync(self._put, "/", payload)
+
+    def _put(self, target: str, payload: Any) -> None:
+        try:
+            if not self.container.put_archive(target, payload):
+                raise TransportError(f"the Docker engine refused to write into {target}")
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "write failed") from exc
+
+    async def upload_dir(self, local_dir: Path, path: str) -> None:
+        self._check_open()
+        target = self._path(path)
+        made = await self.exec(f"mkdir -p {shlex.quote(target)}", timeout_s=60)
+        if not made.ok:
+            raise SandboxLostError(f"cannot create {target} in the sandbox: {made.output.strip()}")
+        archive = await self._backend.run_sync(_tar_dir, Path(local_dir))
+        with archive:
+            await self._backend.run_sync(self._put, target, archive)
+
+    async def download_dir(self, path: str, local_dir: Path) -> None:
+        self._check_open()
+        await self._backend.run_sync(self._extract_to, self._path(path), Path(local_dir))
+
+    def _extract_to(self, target: str, local_dir: Path) -> None:
+        try:
+            chunks, _ = self.container.get_archive(target.rstrip("/") + "/.")
+        except docker.errors.NotFound as exc:
+            raise FileNotFoundError(f"no such directory in the sandbox: {target}") from exc
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "download failed") from exc
+        with tempfile.TemporaryFile() as spool:
+            for chunk in chunks:
+                spool.write(chunk)
+            spool.seek(0)
+            local_dir.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=spool) as tar:
+                tar.extractall(local_dir, filter="data")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._backend.remove(self.container)
+
+
+class DockerSandboxBackend(SandboxBackend):
+    """Sandboxes as Docker containers; see the module docstring.
+
+    Settings: `concurrency` sizes the thread pool and the HTTP connection pool; `pool_size`
+    started containers are kept ready per image and resource shape, refilled by at most
+    `pool_refill_concurrency` creations at once; `network` names an existing Docker network
+    for specs that allow network (create it once, with inter-container traffic off:
+    `docker network create -o com.docker.network.bridge.enable_icc=false patchgym`).
+    """
+
+    name = "docker"
+
+    def __init__(
+        self,
+        *,
+        concurrency: int = 32,
+        pool_size: int = 0,
+        pool_refill_concurrency: int = 4,
+        default_image: str = DEFAULT_IMAGE,
+        network: str | None = None,
+        base_url: str | None = None,
+        api_timeout_s: float = 120.0,
+        kill_grace_s: float = 1.0,
+        owner: str | None = None,
+        run_id: str | None = None,
+        reap_dead_owners: bool = True,
+    ) -> None:
+        if concurrency < 1 or pool_size < 0 or pool_refill_concurrency < 1:
+            raise ConfigError("docker backend: concurrency and pool_refill_concurrency must be >= 1, pool_size >= 0")
+        self.concurrency = concurrency
+        self.pool_size = pool_size
+        self.pool_refill_concurrency = pool_refill_concurrency
+        self.default_image = default_image
+        self.network = network
+        self.kill_grace_s = kill_grace_s
+        self.owner = owner or owner_name()
+        self.run_id = run_id or secrets.token_hex(6)
+        self._reap_dead_owners = reap_dead_owners
+        try:
+            kwargs: dict[str, Any] = {"max_pool_size": concurrency + pool_refill_concurrency, "timeout": api_timeout_s}
+            self.client = docker.DockerClient(base_url=base_url, **kwargs) if base_url else docker.from_env(**kwargs)
+        except docker.errors.DockerException as exc:
+            raise SandboxStartError(
+                f"cannot reach a Docker engine ({exc}); start dockerd or set DOCKER_HOST", retryable=False
+            ) from exc
+        self._executor = ThreadPoolExecutor(
+            max_workers=concurrency + pool_refill_concurrency, thread_name_prefix="patchgym-docker"
+        )
+        self._pools: dict[_Shape, _Pool] = {}
+        self._refill_gate = asyncio.Semaphore(pool_refill_concurrency)
+        self._refills: set[asyncio.Task[None]] = set()
+        self._builds: dict[str, asyncio.Future[str]] = {}
+        self._started: asyncio.Future[None] | None = None
+        self.reaped_at_start = 0
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "concurrency": self.concurrency,
+            "threads": self.concurrency + self.pool_refill_concurrency,
+            "http_pool_size": self.concurrency + self.pool_refill_concurrency,
+            "pool_size": self.pool_size,
+            "pool_refill_concurrency": self.pool_refill_concurrency,
+            "default_image": self.default_image,
+            "network": self.network,
+            "kill_grace_s": self.kill_grace_s,
+            "owner": self.owner,
+            "run_id": self.run_id,
+            "enforces_resource_limits": True,
+        }
+
+    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking SDK call on the backend's thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def _ensure_started(self) -> None:
+        """Once per backend: reap containers left by this owner's dead processes."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
+        if self._reap_dead_owners:
+            self.reaped_at_start = await self.run_sync(self._reap_dead)
+
+    def _labels(self, spec_labels: Mapping[str, str] | None = None) -> dict[str, str]:
+        return {
+            **dict(spec_labels or {}),
+            f"{LABEL}.managed": "true",
+            f"{LABEL}.owner": self.owner,
+            f"{LABEL}.owner_pid": str(os.getpid()),
+            f"{LABEL}.run": self.run_id,
+        }
+
+    def _reap_dead(self) -> int:
+        removed = 0
+        for container in self._list({f"{LABEL}.owner": self.owner}):
+            pid = int(container.labels.get(f"{LABEL}.owner_pid", "0") or 0)
+            if pid and pid != os.getpid() and not _pid_alive(pid):
+                self._remove_sync(container)
+                removed += 1
+        return removed
+
+    def _list(self, labels: Mapping[str, str]) -> list[Container]:
+        filters = [f"{LABEL}.managed=true", *(f"{k}={v}" for k, v in labels.items())]
+        try:
+            return self.client.containers.list(all=True, filters={"label": filters})
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "listing containers failed") from exc
+
+    async def reap(self, labels: Mapping[str, str]) -> int:
+        containers = await self.run_sync(self._list, labels)
+        await asyncio.gather(*(self.run_sync(self._remove_sync, c) for c in containers))
+        return len(containers)
+
+    def _remove_sync(self, container: Container) -> None:
+        try:
+            container.remove(force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            if "already in progress" not in str(exc):
+                raise _translate(exc, "removing a container failed") from exc
+
+    async def remove(self, container: Container) -> None:
+        await self.run_sync(self._remove_sync, container)
+
+    async def aclose(self) -> None:
+        # let refills finish (a cancelled one would still create its container in its thread)
+        await asyncio.gather(*self._refills, return_exceptions=True)
+        pooled = [c for pool in self._pools.values() for c in pool.ready]
+        self._pools.clear()
+        await asyncio.gather(*(self.remove(c) for c in pooled), return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    # -- images --------------------------------------------------------------------------
+    async def image_for(self, spec: SandboxSpec) -> str:
+        """The image a spec runs: built from its Dockerfile (cached by content), or named."""
+        if spec.dockerfile is None:
+            return spec.image or self.default_image
+        dockerfile = Path(spec.dockerfile)
+        digest = await self.run_sync(_context_digest, dockerfile)
+        tag = f"patchgym/build:{digest[:16]}"
+        if tag not in self._builds:
+            self._builds[tag] = asyncio.ensure_future(self.run_sync(self._build, dockerfile, tag))
+        try:
+            return await asyncio.shield(self._builds[tag])
+        except BaseException:
+            self._builds.pop(tag, None)
+            raise
+
+    def _build(self, dockerfile: Path, tag: str) -> str:
+        try:
+            self.client.images.get(tag)
+            return tag
+        except docker.errors.ImageNotFound:
+            pass
+        try:
+            self.client.images.build(
+                path=str(dockerfile.parent),
+                dockerfile=dockerfile.name,
+                tag=tag,
+                network_mode="none",
+                rm=True,
+                forcerm=True,  # no intermediate containers left behind by a failed build
+                labels={f"{LABEL}.managed": "true"},
+            )
+        except docker.errors.BuildError as exc:
+            log = "".join(str(line.get("stream", line.get("error", ""))) for line in exc.build_log)[-2000:]
+            raise BuildError(f"building {dockerfile} failed: {exc.msg}\n{log}") from exc
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, f"building {dockerfile} failed") from exc
+        return tag
+
+    # -- sandboxes -----------------------------------------------------------------------
+    def _run_container(self, shape: _Shape, labels: Mapping[str, str]) -> Container:
+        if shape.network and not self.network:
+            raise SandboxStartError(
+                "this sandbox asks for network access but the docker backend has no `network` setting; "
+                "create one shared network once and name it (see DockerSandboxBackend)",
+                retryable=False,
+            )
+        limits: dict[str, Any] = {}
+        if shape.cpus:
+            limits["nano_cpus"] = int(shape.cpus * 1e9)
+        if shape.memory_mb:
+            limits["mem_limit"] = limits["memswap_limit"] = f"{shape.memory_mb}m"
+        if shape.pids:
+            limits["pids_limit"] = shape.pids
+        network = {"network": self.network} if shape.network else {"network_mode": "none"}
+        try:  # create + start, not run: run would try to pull a missing image from a registry
+            container = self.client.containers.create(
+                shape.image,
+                ["sleep", "infinity"],
+                init=True,
+                labels=dict(labels),
+                working_dir=shape.workdir,
+                environment=dict(shape.env),
+                **network,
+                **limits,
+            )
+        except docker.errors.ImageNotFound as exc:
+            raise BuildError(
+                f"image {shape.image!r} is not available locally: build it (`patchgym sandbox build-base` makes "
+                f"{DEFAULT_IMAGE} offline) or pull it with `docker pull {shape.image}`"
+            ) from exc
+        except _DOCKER_FAULTS as exc:
+            raise SandboxStartError(f"cannot create a container from {shape.image!r}: {exc}") from exc
+        try:
+            container.start()
+        except _DOCKER_FAULTS as exc:
+            self._remove_sync(container)
+            raise SandboxStartError(f"cannot start a container from {shape.image!r}: {exc}") from exc
+        return container
+
+    async def create(self, spec: SandboxSpec) -> DockerSandbox:
+        await self._ensure_started()
+        if spec.workspace is not None and not Path(spec.workspace).is_dir():
+            raise SandboxStartError(f"workspace {str(spec.workspace)!r} does not exist or is not a directory")
+        shape = _Shape.of(spec, await self.image_for(spec))
+        container = self._take_warm(shape) or await self.run_sync(self._run_container, shape, self._labels(spec.labels))
+        self._refill(shape)
+        sandbox = DockerSandbox(self, container, spec)
+        if spec.workspace is not None:
+            try:
+                await sandbox.upload_dir(Path(spec.workspace), spec.workdir)
+            except BaseException:
+                await sandbox.close()
+                raise
+        return sandbox
+
+    # -- warm pool -----------------------------------------------------------------------
+    def _take_warm(self, shape: _Shape) -> Container | None:
+        pool = self._pools.get(shape)
+        return pool.ready.pop() if pool and pool.ready else None
+
+    def _refill(self, shape: _Shape) -> None:
+        pool = self._pools.setdefault(shape, _Pool())
+        missing = self.pool_size - len(pool.ready) - pool.filling
+        for _ in range(max(missing, 0)):
+            pool.filling += 1
+            task = asyncio.ensure_future(self._add_warm(shape, pool))
+            self._refills.add(task)
+            task.add_done_callback(self._refills.discard)
+
+    async def _add_warm(self, shape: _Shape, pool: _Pool) -> None:
+        try:
+            async with self._refill_gate:
+                container = await self.run_sync(self._run_container, shape, self._labels({f"{LABEL}.pooled": "true"}))
+            pool.ready.append(container)
+        except InfraError:
+            pass  # the pool is an optimisation: a cold start will surface the error to its caller
+        finally:
+            pool.filling -= 1
+
+    async def prewarm(self, spec: SandboxSpec) -> int:
+        """Fill the warm pool for `spec`'s image and shape; returns how many are ready."""
+        await self._ensure_started()
+        shape = _Shape.of(spec, await self.image_for(spec))
+        self._refill(shape)
+        await asyncio.gather(*list(self._refills), return_exceptions=True)
+        return len(self._pools[shape].ready)
+
+
+def _context_digest(dockerfile: Path) -> str:
+    """Content hash of a Dockerfile's build context (names and bytes of every file)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in dockerfile.parent.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(dockerfile.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(dockerfile.name.encode())
+    return digest.hexdigest()
