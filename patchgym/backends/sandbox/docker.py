@@ -9,7 +9,8 @@ buffers. Files move as tar archives. The SDK is synchronous: it runs on a thread
 `concurrency`, and the HTTP connection pool is sized to match.
 
 Starting sandboxes is taken off the critical path by a warm pool (`pool_size` started
-containers per image and resource shape; a container is used for one sandbox only), and
+containers per image, resource shape and workspace, the workspace already copied in; a
+container is used for one sandbox only), and
 containers of this owner's earlier processes that died are reaped when the backend starts.
 """
 
@@ -23,7 +24,6 @@ import io
 import os
 import posixpath
 import secrets
-import shlex
 import socket
 import tarfile
 import tempfile
@@ -101,11 +101,15 @@ def _translate(exc: Exception, what: str) -> InfraError:
 _DOCKER_FAULTS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
-def _tar_dir(local_dir: Path) -> tempfile.SpooledTemporaryFile[bytes]:
-    """A tar of `local_dir`'s contents, in memory up to 32 MiB and on disk beyond."""
+def _tar_dir(local_dir: Path, target: str) -> tempfile.SpooledTemporaryFile[bytes]:
+    """A tar placing `local_dir`'s contents at `target` when extracted at "/".
+
+    Spooled in memory up to 32 MiB, on disk beyond. Extracting at "/" creates the missing
+    parents of `target` without another exec.
+    """
     archive = tempfile.SpooledTemporaryFile(max_size=32 << 20)  # noqa: SIM115 - the caller closes it
     with tarfile.open(fileobj=archive, mode="w") as tar:
-        tar.add(str(local_dir), arcname=".")
+        tar.add(str(local_dir), arcname=target.lstrip("/") or ".")
     archive.seek(0)
     return archive
 
@@ -117,6 +121,14 @@ def _tar_file(path: str, data: bytes) -> bytes:
         info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
         tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def _put_archive(container: Container, target: str, payload: Any) -> None:
+    try:
+        if not container.put_archive(target, payload):
+            raise TransportError(f"the Docker engine refused to write into {target}")
+    except _DOCKER_FAULTS as exc:
+        raise _translate(exc, "write failed") from exc
 
 
 @dataclass
@@ -144,12 +156,14 @@ class _Shape:
     pids: int | None
     network: bool
     env: tuple[tuple[str, str], ...]
+    workspace: str | None
+    """Staged into the container before it is handed out, so warm containers are ready to use."""
 
     @classmethod
     def of(cls, spec: SandboxSpec, image: str) -> _Shape:
-        return cls(
-            image, spec.workdir, spec.cpus, spec.memory_mb, spec.pids, spec.network, tuple(sorted(spec.env.items()))
-        )
+        env = tuple(sorted(spec.env.items()))
+        workspace = str(Path(spec.workspace).resolve()) if spec.workspace else None
+        return cls(image, spec.workdir, spec.cpus, spec.memory_mb, spec.pids, spec.network, env, workspace)
 
 
 @dataclass
@@ -277,24 +291,13 @@ class DockerSandbox(Sandbox):
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
         payload = _tar_file(self._path(path), data.encode() if isinstance(data, str) else data)
-        await self._backend.run_sync(self._put, "/", payload)
-
-    def _put(self, target: str, payload: Any) -> None:
-        try:
-            if not self.container.put_archive(target, payload):
-                raise TransportError(f"the Docker engine refused to write into {target}")
-        except _DOCKER_FAULTS as exc:
-            raise _translate(exc, "write failed") from exc
+        await self._backend.run_sync(_put_archive, self.container, "/", payload)
 
     async def upload_dir(self, local_dir: Path, path: str) -> None:
         self._check_open()
-        target = self._path(path)
-        made = await self.exec(f"mkdir -p {shlex.quote(target)}", timeout_s=60)
-        if not made.ok:
-            raise SandboxLostError(f"cannot create {target} in the sandbox: {made.output.strip()}")
-        archive = await self._backend.run_sync(_tar_dir, Path(local_dir))
+        archive = await self._backend.run_sync(_tar_dir, Path(local_dir), self._path(path))
         with archive:
-            await self._backend.run_sync(self._put, target, archive)
+            await self._backend.run_sync(_put_archive, self.container, "/", archive)
 
     async def download_dir(self, path: str, local_dir: Path) -> None:
         self._check_open()
@@ -326,7 +329,7 @@ class DockerSandboxBackend(SandboxBackend):
     """Sandboxes as Docker containers; see the module docstring.
 
     Settings: `concurrency` sizes the thread pool and the HTTP connection pool; `pool_size`
-    started containers are kept ready per image and resource shape, refilled by at most
+    started containers are kept ready per image, resource shape and workspace, refilled by at most
     `pool_refill_concurrency` creations at once; `network` names an existing Docker network
     for specs that allow network (create it once, with inter-container traffic off:
     `docker network create -o com.docker.network.bridge.enable_icc=false patchgym`).
@@ -400,10 +403,10 @@ class DockerSandboxBackend(SandboxBackend):
     async def _ensure_started(self) -> None:
         """Once per backend: reap containers left by this owner's dead processes."""
         if self._started is None:
-            self._started = asyncio.ensure_future(self._start())
+            self._started = asyncio.ensure_future(self._startup())
         await asyncio.shield(self._started)
 
-    async def _start(self) -> None:
+    async def _startup(self) -> None:
         if self._reap_dead_owners:
             self.reaped_at_start = await self.run_sync(self._reap_dead)
 
@@ -538,21 +541,27 @@ class DockerSandboxBackend(SandboxBackend):
             raise SandboxStartError(f"cannot start a container from {shape.image!r}: {exc}") from exc
         return container
 
+    def _provision(self, shape: _Shape, labels: Mapping[str, str]) -> Container:
+        """A started container with the workspace staged at its workdir."""
+        container = self._run_container(shape, labels)
+        if shape.workspace is None:
+            return container
+        try:
+            with _tar_dir(Path(shape.workspace), shape.workdir) as archive:
+                _put_archive(container, "/", archive)
+        except (InfraError, OSError) as exc:
+            self._remove_sync(container)
+            raise SandboxStartError(f"cannot copy workspace {shape.workspace!r} into a container: {exc}") from exc
+        return container
+
     async def create(self, spec: SandboxSpec) -> DockerSandbox:
         await self._ensure_started()
         if spec.workspace is not None and not Path(spec.workspace).is_dir():
             raise SandboxStartError(f"workspace {str(spec.workspace)!r} does not exist or is not a directory")
         shape = _Shape.of(spec, await self.image_for(spec))
-        container = self._take_warm(shape) or await self.run_sync(self._run_container, shape, self._labels(spec.labels))
+        container = self._take_warm(shape) or await self.run_sync(self._provision, shape, self._labels(spec.labels))
         self._refill(shape)
-        sandbox = DockerSandbox(self, container, spec)
-        if spec.workspace is not None:
-            try:
-                await sandbox.upload_dir(Path(spec.workspace), spec.workdir)
-            except BaseException:
-                await sandbox.close()
-                raise
-        return sandbox
+        return DockerSandbox(self, container, spec)
 
     # -- warm pool -----------------------------------------------------------------------
     def _take_warm(self, shape: _Shape) -> Container | None:
@@ -571,7 +580,7 @@ class DockerSandboxBackend(SandboxBackend):
     async def _add_warm(self, shape: _Shape, pool: _Pool) -> None:
         try:
             async with self._refill_gate:
-                container = await self.run_sync(self._run_container, shape, self._labels({f"{LABEL}.pooled": "true"}))
+                container = await self.run_sync(self._provision, shape, self._labels({f"{LABEL}.pooled": "true"}))
             pool.ready.append(container)
         except InfraError:
             pass  # the pool is an optimisation: a cold start will surface the error to its caller
