@@ -179,3 +179,21 @@ async def test_oracle_episode_on_docker() -> None:
         assert (reward, terminated) == (1.0, True) and info["grade"]["resolved"]
     finally:
         await env.close()
+
+
+async def test_container_removed_underneath_is_sandbox_lost(backend, workspace: Path) -> None:
+    from patchgym.core.errors import SandboxLostError
+
+    sandbox = await backend.create(SandboxSpec(workspace=workspace))
+    await backend.run_sync(lambda: sandbox.container.remove(force=True))
+    with pytest.raises(SandboxLostError, match="gone"):
+        await sandbox.exec("true", timeout_s=30)
+    with pytest.raises(SandboxLostError):
+        await sandbox.read_file("pkg/hello.txt")
+    await sandbox.close()  # still idempotent and quiet
+
+
+async def test_settings_report_every_limit(backend) -> None:
+    settings = backend.settings()
+    assert settings["threads"] == settings["http_pool_size"] == 8 + settings["pool_refill_concurrency"]
+    assert {"pool_size", "kill_grace_s", "default_image", "owner", "run_id"} <= set(settings)
