@@ -1,0 +1,184 @@
+"""The rollout manager with simulated episodes: modes, staleness, retries, filters, stragglers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from patchgym.core.rollout import Batch, RolloutConfig, RolloutManager
+from patchgym.core.sandbox import Sandbox, SandboxSpec
+from patchgym.core.tasks import Grade, Grader, Task
+from patchgym.core.trajectory import Trajectory, Turn
+
+
+class NoGrader(Grader):
+    async def grade(self, sandbox: Sandbox) -> Grade:
+        raise AssertionError("simulated episodes are not graded")
+
+
+def tasks(n: int, prefix: str = "t") -> list[Task]:
+    return [Task(f"{prefix}{i}", "", SandboxSpec(), NoGrader()) for i in range(n)]
+
+
+class Sim:
+    """A simulated policy + environment: duration and reward decided per task and attempt."""
+
+    def __init__(self, manager_version: Callable[[], int] | None = None) -> None:
+        self.running = 0
+        self.peak = 0
+        self.finished = 0
+        self.starts: list[tuple[str, int]] = []
+        self.attempts: dict[str, int] = {}
+        self.version = manager_version or (lambda: 0)
+        self.duration: Callable[[str, int], float] = lambda task_id, attempt: 0.01
+        self.reward: Callable[[str, int], float] = lambda task_id, attempt: float(attempt % 2)
+        self.infra: Callable[[str, int], bool] = lambda task_id, attempt: False
+
+    async def __call__(self, task: Task) -> Trajectory:
+        attempt = self.attempts[task.id] = self.attempts.get(task.id, -1) + 1
+        self.starts.append((task.id, self.version()))
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(self.duration(task.id, attempt))
+        finally:
+            self.running -= 1
+        self.finished += 1
+        trajectory = Trajectory(task.id, turns=[Turn("a", "o", "command", policy_version=self.version())])
+        if self.infra(task.id, attempt):
+            trajectory.infra_error = {"kind": "sandbox_lost", "message": "gone", "retryable": True}
+            trajectory.termination = "infra_error"
+        else:
+            trajectory.reward, trajectory.termination = self.reward(task.id, attempt), "submitted"
+        return trajectory
+
+
+def manager_for(sim: Sim, n_tasks: int, **config: object) -> RolloutManager:
+    manager = RolloutManager(iter(tasks(n_tasks)), sim, RolloutConfig(**config))
+    sim.version = lambda: manager.version
+    return manager
+
+
+async def train_loop(manager: RolloutManager, steps: int, train_s: float, sim: Sim) -> list[tuple[Batch, int]]:
+    """Consume `steps` batches; returns each batch with how many episodes ended while training."""
+    out = []
+    for step in range(steps):
+        batch = await manager.next_batch()
+        assert batch is not None
+        before = sim.finished
+        await asyncio.sleep(train_s)
+        out.append((batch, sim.finished - before))
+        manager.publish(step + 1)
+    await manager.aclose()
+    return out
+
+
+async def test_sync_mode_is_on_policy_and_idle_while_training() -> None:
+    sim = Sim()
+    manager = manager_for(sim, 40, mode="sync", group_size=2, batch_groups=3, concurrency=16)
+    for batch, ended_while_training in await train_loop(manager, 3, 0.05, sim):
+        assert len(batch.groups) == 3
+        assert all(g.start_version == batch.version for g in batch.groups)
+        assert batch.metrics["staleness_max"] == 0
+        assert ended_while_training == 0
+
+
+async def test_one_step_off_generates_during_training_with_staleness_at_most_1() -> None:
+    sim = Sim()
+    sim.duration = lambda task_id, attempt: 0.03
+    manager = manager_for(sim, 40, mode="one_step_off", group_size=2, batch_groups=3, concurrency=16)
+    results = await train_loop(manager, 4, 0.06, sim)
+    assert all(b.metrics["staleness_max"] <= 1 for b, _ in results)
+    assert max(b.metrics["staleness_max"] for b, _ in results) == 1
+    assert all(ended > 0 for _, ended in results[1:])
+
+
+async def test_fully_async_respects_staleness_and_concurrency() -> None:
+    sim = Sim()
+    sim.duration = lambda task_id, attempt: 0.005 * (1 + int(task_id[1:]) % 5)
+    manager = manager_for(sim, 200, mode="fully_async", max_staleness=2, group_size=4, batch_groups=2, concurrency=6)
+    results = await train_loop(manager, 5, 0.02, sim)
+    assert all(b.metrics["staleness_max"] <= 2 for b, _ in results)
+    assert sim.peak <= 6
+    assert results[-1][0].metrics["limits"]["concurrency"] == 6
+
+
+async def test_infra_errors_are_retried_then_excluded_never_scored() -> None:
+    sim = Sim()
+    sim.reward = lambda task_id, attempt: float(attempt % 2)
+    # every task's first attempt fails; task t0 keeps failing for its second member
+    sim.infra = lambda task_id, attempt: attempt == 0 or (task_id == "t0" and attempt in (2, 3))
+    manager = manager_for(
+        sim,
+        2,
+        mode="sync",
+        group_size=2,
+        batch_groups=2,
+        max_infra_retries=2,
+        zero_variance="keep",
+        min_valid_members=1,
+    )
+    batch = await manager.next_batch()
+    await manager.aclose()
+    assert batch is not None
+    by_task = {g.task.id: g for g in batch.groups}
+    assert len(by_task["t0"].members) == 1 and len(by_task["t0"].excluded) == 1
+    assert by_task["t0"].excluded[0].reward is None
+    assert len(by_task["t1"].members) == 2
+    assert batch.metrics["infra_errors_by_kind"] == {"sandbox_lost": 4}
+    assert batch.metrics["infra_retries"] == 3 and batch.metrics["members_excluded"] == 1
+
+
+async def test_zero_variance_groups_are_dropped_or_resampled() -> None:
+    sim = Sim()
+    sim.reward = lambda task_id, attempt: 1.0 if task_id in ("t0", "t1") else float(attempt % 2)
+    manager = manager_for(sim, 10, mode="sync", group_size=2, batch_groups=2, zero_variance="drop")
+    batch = await manager.next_batch()
+    await manager.aclose()
+    assert batch is not None and {g.task.id for g in batch.groups}.isdisjoint({"t0", "t1"})
+    assert batch.metrics["groups_zero_variance_drop"] == 2
+
+    sim = Sim()
+
+    def reward(task_id: str, attempt: int) -> float:
+        return 1.0 if attempt < 2 else float(attempt % 2)  # t0's first group is uniform, its resample is not
+
+    sim.reward = reward
+    manager = manager_for(sim, 1, mode="sync", group_size=2, batch_groups=1, zero_variance="resample")
+    batch = await manager.next_batch()
+    await manager.aclose()
+    assert batch is not None and batch.groups[0].task.id == "t0"
+    assert batch.metrics["groups_zero_variance_resample"] == 1 and sim.attempts["t0"] == 3
+
+
+async def test_oversampling_means_stragglers_never_hold_a_step() -> None:
+    sim = Sim()
+    sim.duration = lambda task_id, attempt: 5.0 if task_id == "t0" else 0.01
+    manager = manager_for(sim, 20, mode="sync", group_size=2, batch_groups=2, oversample_groups=1)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    batch = await manager.next_batch()
+    assert batch is not None and loop.time() - started < 2.0
+    assert "t0" not in {g.task.id for g in batch.groups}
+    manager.publish(1)
+    assert manager._counters["groups_cancelled_stale"] == 1
+    await manager.aclose()
+
+
+async def test_running_out_of_tasks_ends_cleanly() -> None:
+    sim = Sim()
+    manager = manager_for(sim, 3, mode="fully_async", group_size=2, batch_groups=2, max_staleness=4)
+    first = await manager.next_batch()
+    manager.publish(1)
+    second = await manager.next_batch()
+    assert first is not None and second is not None and len(first.groups) + len(second.groups) == 3
+    assert await manager.next_batch() is None
+    await manager.aclose()
+
+
+def test_versions_must_increase() -> None:
+    manager = RolloutManager(iter([]), Sim(), RolloutConfig())
+    with pytest.raises(ValueError, match="must increase"):
+        manager.publish(0)
