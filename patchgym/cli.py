@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from patchgym.core.actions import SUBMIT_SENTINEL
-from patchgym.core.errors import PatchgymError
+from patchgym.core.errors import ConfigError, PatchgymError
 from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
@@ -196,6 +196,19 @@ def _print_outcome(reward: float, info: dict[str, Any]) -> None:
         for label in ("fail_to_pass", "pass_to_pass"):
             if label in details:
                 console.print(f"{label}: {details[label]['passed']}/{details[label]['total']} passing")
+
+
+@app.command()
+@friendly_errors
+def report(run_dir: Annotated[Path, typer.Argument(help="a run directory holding events.jsonl")]) -> None:
+    """Write PNG plots and a markdown summary of a run into RUN_DIR/report."""
+    from patchgym.report import write_report
+
+    try:
+        out = write_report(run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    console.print(f"wrote {escape(str(out))}: reward.png, step_time.png, lengths.png, sandbox.png, summary.md")
 
 
 @sandbox_app.command("build-base")

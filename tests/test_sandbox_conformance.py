@@ -51,7 +51,7 @@ async def test_failing_command_is_data_not_exception(sandbox: Sandbox) -> None:
 
 async def test_timeout_kills_the_whole_process_tree(sandbox: Sandbox) -> None:
     ticker = "(while true; do echo t >> ticks; sleep 0.05; done) & bash -c 'sleep 300' & wait"
-    result = await sandbox.exec(ticker, timeout_s=1)
+    result = await sandbox.exec(ticker, timeout_s=2)
     assert result.timed_out and result.exit_code is None
     before = len(await sandbox.read_file("ticks"))
     await asyncio.sleep(0.5)
@@ -59,7 +59,8 @@ async def test_timeout_kills_the_whole_process_tree(sandbox: Sandbox) -> None:
 
 
 async def test_background_processes_do_not_outlive_their_command(sandbox: Sandbox) -> None:
-    result = await sandbox.exec("(while true; do echo t >> ticks; sleep 0.05; done) & echo started", timeout_s=30)
+    ticker = "(while true; do echo t >> ticks; sleep 0.05; done) & until [ -s ticks ]; do sleep 0.01; done; echo started"
+    result = await sandbox.exec(ticker, timeout_s=30)
     assert result.stdout == "started\n" and result.exit_code == 0
     before = len(await sandbox.read_file("ticks"))
     await asyncio.sleep(0.5)
@@ -166,7 +167,8 @@ async def test_concurrent_commands(sandbox: Sandbox) -> None:
 
 async def test_cancelled_exec_kills_the_command(sandbox: Sandbox) -> None:
     task = asyncio.create_task(sandbox.exec("while true; do echo t >> ticks; sleep 0.05; done", timeout_s=60))
-    await asyncio.sleep(0.5)
+    while not (await sandbox.exec("test -s ticks", timeout_s=30)).ok:
+        await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

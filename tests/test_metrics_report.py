@@ -1,0 +1,111 @@
+"""The event log, its sinks, and `patchgym report`."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from patchgym.core.metrics import EventLog, read_events
+
+
+def fake_run(run_dir: Path, steps: int = 6) -> None:
+    rng = random.Random(0)
+    log = EventLog(run_dir)
+    log.emit("run", event="start", config={"model": "tiny"})
+    log.emit("eval", stage="base", step=0, pass_at_1=0.1, tasks=10)
+    for step in range(1, steps + 1):
+        for i in range(8):
+            reason = rng.choice(["submitted", "max_turns", "format_errors"])
+            log.emit(
+                "trajectory",
+                step=step,
+                task_id=f"t{i}",
+                turns=rng.randint(2, 80),
+                termination=reason,
+                reward=float(reason == "submitted"),
+                infra_error={"kind": "sandbox_lost"} if i == 7 and step == 2 else None,
+                timings={"sandbox_start_s": 0.1, "commands_s": 2.0, "llm_s": 5.0, "grade_s": 0.3, "total_s": 7.4},
+            )
+        log.emit(
+            "step",
+            step=step,
+            reward_mean=0.1 * step,
+            reward_std=0.05,
+            timings={"actor_update_s": 3.0, "rollout_wait_s": 1.0, "logprob_recompute_s": 0.5, "weight_sync_s": 0.2},
+            limits={"concurrency": 8},
+        )
+    log.emit("eval", stage="grpo", step=steps, pass_at_1=0.3, tasks=10)
+    log.close()
+
+
+def test_events_round_trip_and_torn_last_line(tmp_path: Path) -> None:
+    fake_run(tmp_path)
+    assert len(read_events(tmp_path, "step")) == 6
+    assert read_events(tmp_path, "eval")[-1]["pass_at_1"] == 0.3
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write('{"kind": "step", "st')  # killed mid-write
+    assert len(read_events(tmp_path, "step")) == 6
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    lines.insert(1, "garbage")
+    (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="events.jsonl:2"):
+        read_events(tmp_path)
+    with pytest.raises(FileNotFoundError, match="run directory"):
+        read_events(tmp_path / "nope")
+
+
+def test_tensorboard_sink_writes_scalars(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from patchgym.core.metrics import TensorBoardSink
+
+    log = EventLog(tmp_path, sinks=[TensorBoardSink(tmp_path / "tb")])
+    for step in range(3):
+        log.emit("step", step=step, reward_mean=step / 10, timings={"actor_update_s": 1.5})
+    log.close()
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    rewards = [round(e.value, 5) for e in accumulator.Scalars("step/reward_mean")]
+    assert rewards == [0.0, 0.1, 0.2]
+    assert accumulator.Scalars("step/timings/actor_update_s")[0].value == 1.5
+
+
+def test_wandb_sink_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    from patchgym.core.metrics import WandbSink
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = EventLog(tmp_path, sinks=[WandbSink(tmp_path, project="patchgym-test", mode="offline")])
+    log.emit("step", step=1, reward_mean=0.5)
+    log.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
+    from patchgym.cli import app
+
+    fake_run(tmp_path)
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "report"
+    for name in ("reward.png", "step_time.png", "lengths.png", "sandbox.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000, name
+    summary = (out / "summary.md").read_text()
+    assert "| training steps | 6 |" in summary
+    assert "pass@1 (grpo) | 30.0% over 10 tasks" in summary
+    assert "sandbox_lost 1" in summary
+    assert "actor_update 64%" in summary
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["kind"] == "run"
+
+
+def test_report_on_a_missing_run_is_a_clear_error(tmp_path: Path) -> None:
+    from patchgym.cli import app
+
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "run directory" in result.output
