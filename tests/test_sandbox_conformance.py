@@ -59,9 +59,9 @@ async def test_timeout_kills_the_whole_process_tree(sandbox: Sandbox) -> None:
 
 
 async def test_background_processes_do_not_outlive_their_command(sandbox: Sandbox) -> None:
-    ticker = "(while true; do echo t >> ticks; sleep 0.05; done) & until [ -s ticks ]; do sleep 0.01; done; echo started"
+    ticker = "(while true; do echo t >> ticks; sleep 0.05; done) & until [ -s ticks ]; do sleep 0.01; done; echo hi"
     result = await sandbox.exec(ticker, timeout_s=30)
-    assert result.stdout == "started\n" and result.exit_code == 0
+    assert result.stdout == "hi\n" and result.exit_code == 0
     before = len(await sandbox.read_file("ticks"))
     await asyncio.sleep(0.5)
     assert len(await sandbox.read_file("ticks")) == before
