@@ -59,7 +59,7 @@ def test_plugins_json_lists_builtins() -> None:
     records = {r["name"]: r for r in report["plugins"]}
     assert set(BUILTIN_PLUGINS) <= set(records)
     assert records["builtin-tasks"]["status"] == "loaded"
-    assert set(records["builtin-tasks"]["registered"]) == {"task set:tiny", "task set:folder"}
+    assert set(records["builtin-tasks"]["registered"]) == {"task set:tiny", "task set:folder", "task set:easy"}
     assert records["builtin-sandboxes"]["registered"] == ["sandbox backend:local", "sandbox backend:docker"]
     assert report["conflicts"] == []
 
@@ -68,7 +68,7 @@ def test_plugins_table_lists_names_by_kind() -> None:
     result = invoke("plugins")
     assert result.exit_code == 0, result.output
     out = text(result)
-    assert "task sets: folder, tiny" in out
+    assert "task sets: easy, folder, tiny" in out
     assert "sandbox backends: docker, local" in out
     assert "builtin-tasks" in out and "loaded" in out
 

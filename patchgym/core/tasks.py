@@ -60,7 +60,8 @@ class Task:
 
     `setup_commands` run once after the sandbox starts (their failure is an infrastructure
     fault: the task, not the agent, is broken). `gold_patch` is a reference fix used to
-    validate the task.
+    validate the task; `solution`, if given, is a short bash command with the same effect,
+    which oracle traces prefer.
     """
 
     id: str
@@ -70,6 +71,7 @@ class Task:
     setup_commands: tuple[str, ...] = ()
     setup_timeout_s: float = 300.0
     gold_patch: str | None = None
+    solution: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 

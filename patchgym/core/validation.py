@@ -30,6 +30,15 @@ async def apply_patch(sandbox: Sandbox, patch: str, *, timeout_s: float = 120.0)
     return await sandbox.exec(apply_patch_command(patch), timeout_s=timeout_s)
 
 
+def oracle_command(task: Task) -> str:
+    """The bash command an oracle agent runs: the task's solution, else applying its gold patch."""
+    if task.solution:
+        return task.solution.strip()
+    if task.gold_patch:
+        return apply_patch_command(task.gold_patch)
+    raise ValueError(f"task {task.id!r} has neither a solution nor a gold patch")
+
+
 @dataclass
 class TaskValidation:
     """Whether a task behaves: gold patch → reward 1, empty patch → reward 0."""

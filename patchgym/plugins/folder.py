@@ -7,6 +7,7 @@ A task set is a directory with one sub-directory per task::
                     "image" or "dockerfile" (relative path) for container backends}
       issue.md     the issue text the agent reads
       gold.patch   the reference fix (unified diff, paths relative to repo/)
+      solution.sh  optional: a short bash command with the same effect, for oracle traces
       repo/        the project in its buggy state, tests included
 
 Each sandbox starts from a copy of `repo/` made into a git repository, so `git diff` shows the
@@ -19,7 +20,7 @@ import json
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -78,7 +79,7 @@ def load_task(folder: Path) -> Task:
     repo = folder / "repo"
     if not repo.is_dir():
         raise ConfigError(f"task folder {folder} has no repo/ directory with the project")
-    gold = folder / "gold.patch"
+    gold, solution = folder / "gold.patch", folder / "solution.sh"
     grader = TestCommandGrader(
         test_command=spec.test_command,
         fail_to_pass=tuple(spec.fail_to_pass),
@@ -100,6 +101,7 @@ def load_task(folder: Path) -> Task:
         grader=grader,
         setup_commands=tuple(spec.setup_commands),
         gold_patch=gold.read_text() if gold.exists() else None,
+        solution=solution.read_text() if solution.exists() else None,
         metadata={"source": str(folder)},
     )
 
@@ -136,3 +138,10 @@ def tiny_task_set() -> FolderTaskSet:
 def register_task_sets(register: Register) -> None:
     register("tiny", tiny_task_set, "six tiny Python projects with one bug each (built in, offline)")
     register("folder", FolderTaskSet, "task folders on disk (option: path)")
+    register("easy", _easy, "generated one-line bugs spelled out in the issue (options: count, seed, split)")
+
+
+def _easy(**options: Any) -> TaskSet:
+    from patchgym.plugins.easy import easy_task_set
+
+    return easy_task_set(**options)
