@@ -8,7 +8,6 @@ from pathlib import Path
 import gymnasium
 import pytest
 from gymnasium.utils.env_checker import check_env
-from pydantic import ValidationError
 
 import patchgym
 from patchgym.core.errors import ConfigError
@@ -189,9 +188,9 @@ async def test_seeded_reset_is_deterministic(env: AsyncSWEEnv) -> None:
 
 
 def test_bad_settings_and_names_are_clear_errors() -> None:
-    with pytest.raises(ValidationError, match="max_turnz"):
+    with pytest.raises(ConfigError, match="max_turnz: unknown key; did you mean 'max_turns'"):
         AsyncSWEEnv("tiny", "local", max_turnz=3)
-    with pytest.raises(ValidationError, match="max_turns"):
+    with pytest.raises(ConfigError, match="max_turns: Input should be greater than 0"):
         AsyncSWEEnv("tiny", "local", max_turns=0)
     with pytest.raises(ConfigError, match="unknown task set 'nope'; known: easy, folder, tiny"):
         AsyncSWEEnv("nope", "local")

@@ -24,6 +24,7 @@ from gymnasium.utils import seeding
 from pydantic import BaseModel, ConfigDict, Field
 
 from patchgym.core.actions import BashBlockParser, submitted_by_output
+from patchgym.core.config import validate
 from patchgym.core.errors import ConfigError, InfraError
 from patchgym.core.output import head_tail
 from patchgym.core.plugins import registry
@@ -107,7 +108,7 @@ class AsyncSWEEnv:
         **settings: Any,
     ) -> None:
         base = config.model_dump() if isinstance(config, EnvConfig) else dict(config or {})
-        self.config = EnvConfig.model_validate({**base, **settings})
+        self.config = validate(EnvConfig, {**base, **settings}, source="environment settings")
         self.task_set: TaskSet = _resolve("task_set", task_set, task_set_options)
         self.backend: SandboxBackend = _resolve("sandbox", sandbox, sandbox_options)
         self._owns_backend = isinstance(sandbox, str)
