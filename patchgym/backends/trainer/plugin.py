@@ -18,6 +18,19 @@ def _embedded(**settings: Any) -> Any:
     return EmbeddedTrainer(**settings)
 
 
+def _megatron(**settings: Any) -> Any:
+    try:
+        from patchgym.backends.trainer.megatron import MegatronTrainer
+    except ImportError as exc:
+        raise ConfigError(
+            f"the megatron trainer needs megatron-core: pip install 'patchgym[megatron]' ({exc})"
+        ) from exc
+    return MegatronTrainer(**settings)
+
+
 @hookimpl
 def register_trainer_backends(register: Register) -> None:
     register("embedded", _embedded, "transformers model trained in-process with torch (packing, AdamW, checkpoints)")
+    register(
+        "megatron", _megatron, "megatron-core GPTModel, tensor and data parallel under torchrun (CPU shim without GPU)"
+    )
