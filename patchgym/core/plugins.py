@@ -33,6 +33,7 @@ BUILTIN_PLUGINS = {
     "builtin-sandboxes": "patchgym.backends.sandbox.plugin",
     "builtin-inference": "patchgym.backends.inference.plugin",
     "builtin-tasks": "patchgym.plugins.folder",
+    "builtin-trainers": "patchgym.backends.trainer.plugin",
 }
 
 Kind = Literal["task_set", "sandbox", "inference", "trainer"]

@@ -1,0 +1,228 @@
+"""The embedded trainer: a transformers causal LM trained in this process with torch.
+
+Packed micro-batches go through the model without an attention mask and with position ids
+that restart at every sample, which transformers turns into a block-diagonal causal mask, so
+attention never crosses samples. All compute runs in one worker thread: the event loop stays
+free while a step runs, and steps never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from patchgym.backends.trainer.common import (
+    OptimSettings,
+    TrainerWeights,
+    accumulate_gradients,
+    per_sample_logprobs,
+    rng_state,
+    set_rng_state,
+)
+from patchgym.core.batch import TrainBatch
+from patchgym.core.errors import ConfigError
+from patchgym.core.losses import Loss, summarize, token_logprobs
+
+STATE_FILE = "trainer_state.pt"
+MODEL_DIR = "model"
+
+
+def _load_model(model: Any, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model.to(dtype)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model {str(model)!r} is not a Hugging Face model directory (no config.json there)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+
+
+class EmbeddedTrainer:
+    """`Trainer` on a transformers model: AdamW, clipping, accumulation, checkpoints with RNG state."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        warmup_steps: int = 0,
+        micro_batch_tokens: int = 8192,
+        packing: bool = True,
+        gradient_checkpointing: bool = False,
+        reference_model: Any = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        threads: int | None = None,
+    ) -> None:
+        if micro_batch_tokens < 2:
+            raise ConfigError(f"micro_batch_tokens must be at least 2 (got {micro_batch_tokens})")
+        if not hasattr(torch, dtype):
+            raise ConfigError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
+        torch.manual_seed(seed)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.dtype = getattr(torch, dtype)
+        self.model = _load_model(model, self.dtype)
+        self.model.train()
+        if gradient_checkpointing:
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.reference = None
+        if reference_model is not None:
+            self.reference = _load_model(reference_model, self.dtype).eval().requires_grad_(False)
+        self.optim = OptimSettings(lr, weight_decay, betas, grad_clip=grad_clip, warmup_steps=warmup_steps)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=betas, eps=self.optim.eps, weight_decay=weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optim.lr_factor)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.packing = packing
+        self.gradient_checkpointing = gradient_checkpointing
+        self.threads = threads
+        self.version = 0
+        self._pad_id = self.model.config.pad_token_id or 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-trainer")
+
+    def settings(self) -> dict[str, Any]:
+        """Every limit and knob of this trainer."""
+        return {
+            "backend": "embedded",
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "packing": self.packing,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "threads": self.threads or torch.get_num_threads(),
+            "worker_threads": 1,
+            "reference_model": self.reference is not None,
+            **self.optim.as_dict(),
+        }
+
+    # -- compute (worker thread) ----------------------------------------------------------
+    def _prepare(self, batch: TrainBatch) -> TrainBatch:
+        """Apply this trainer's micro-batch settings to `batch`."""
+        return TrainBatch(batch.samples, self.micro_batch_tokens, self.packing, self._pad_id)
+
+    def _forward_with(self, model: Any) -> Any:
+        def forward(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            packed = t["input_ids"].shape[0] == 1  # one row: samples end to end, separated by position ids
+            logits = model(
+                input_ids=t["input_ids"],
+                position_ids=t["position_ids"],
+                attention_mask=None if packed else t["attention_mask"],
+                use_cache=False,
+            ).logits
+            return token_logprobs(logits, t["input_ids"])
+
+        return forward
+
+    def _logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return per_sample_logprobs(self._prepare(batch), self._forward_with(self.model))
+        finally:
+            self.model.train(was_training)
+
+    def _train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float]:
+        started = time.perf_counter()
+        batch = self._prepare(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        reference = self._forward_with(self.reference) if self.reference is not None else None
+        total, sums = accumulate_gradients(batch, loss, self._forward_with(self.model), reference=reference)
+        clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        elapsed = time.perf_counter() - started
+        return {
+            "loss": total,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "version": float(self.version),
+            "step_s": elapsed,
+            "tokens_per_s": batch.total_tokens / elapsed,
+            **summarize(sums),
+        }
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+
+    def _export(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        return directory
+
+    def _save(self, directory: Path) -> None:
+        self._export(directory / MODEL_DIR)
+        state = {
+            "version": self.version,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+            "settings": self.settings(),
+        }
+        torch.save(state, directory / STATE_FILE)
+
+    def _load(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        state_path = directory / STATE_FILE
+        if not state_path.is_file():
+            raise ConfigError(f"{directory} is not a checkpoint of the embedded trainer (no {STATE_FILE})")
+        weights: dict[str, torch.Tensor] = {}
+        for shard in sorted((directory / MODEL_DIR).glob("*.safetensors")):
+            weights.update(load_file(shard))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if unexpected or set(missing) - tied:
+            raise ConfigError(
+                f"checkpoint {directory} does not fit this model: missing {sorted(set(missing) - tied)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        if tied:
+            self.model.tie_weights()
+        state = torch.load(state_path, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.version = state["version"]
+
+    # -- the Trainer contract ---------------------------------------------------------------
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Per-token log-probs of every sample under the current weights (entry 0 is 0.0)."""
+        return await self._run(self._logprobs, batch)
+
+    async def train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float]:
+        """One optimiser step over `batch` (accumulated over its micro-batches); returns metrics."""
+        return await self._run(self._train_step, batch, loss)
+
+    async def weights(self, export_to: Path | None = None) -> TrainerWeights:
+        """A copy of the current state dict; with `export_to`, also an HF-format directory (for SGLang)."""
+        state = await self._run(self._state_dict)
+        path = await self._run(self._export, Path(export_to)) if export_to is not None else None
+        return TrainerWeights(self.version, state, path, {"format": "hf"})
+
+    async def save(self, directory: Path) -> None:
+        await self._run(self._save, Path(directory))
+
+    async def load(self, directory: Path) -> None:
+        await self._run(self._load, Path(directory))
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=True)

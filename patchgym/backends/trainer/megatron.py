@@ -1,0 +1,399 @@
+"""The Megatron trainer: megatron-core `GPTModel` with tensor and data parallelism.
+
+Launch one process per rank with torchrun (`torchrun --nproc_per_node=N program.py`). Every
+rank builds a `MegatronTrainer`; rank 0 runs the program and calls the async `Trainer`
+methods, which broadcast the call to the other ranks, which sit in `follow()`. Data
+parallelism splits a batch's micro-batches between the data-parallel ranks; gradients are
+reduced by megatron's `DistributedDataParallel` and the step is taken by its (optionally
+distributed) optimizer. Micro-batches are packed: a block-diagonal causal mask keeps attention
+inside each sample (RoPE is relative, so a sample's offset in its row does not change its
+scores). Per-token log-probs come from `vocab_parallel_cross_entropy` on TP-sharded logits.
+
+Without a GPU the process group is gloo and `mcore_cpu` redirects megatron's CUDA calls.
+Pipeline parallelism is not implemented yet (pp must be 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from patchgym.backends.trainer import mcore_cpu
+from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state
+from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
+from patchgym.core.batch import MicroBatch, TrainBatch
+from patchgym.core.errors import ConfigError
+from patchgym.core.losses import Loss, Normaliser, add_sums, check_batch, micro_batch_loss, summarize
+
+STATE_FILE = "megatron_state_rank{rank}.pt"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_distributed(timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:  # a single process without torchrun
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    from datetime import timedelta
+
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def block_causal_mask(sample_index: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] bool, True where attention is forbidden: other samples or the future."""
+    s = sample_index.shape[1]
+    same = sample_index[:, :, None] == sample_index[:, None, :]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return ~(same & causal)[:, None]
+
+
+class MegatronTrainer:
+    """`Trainer` on megatron-core, loaded from and exported to a Hugging Face model directory."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        warmup_steps: int = 0,
+        micro_batch_tokens: int = 8192,
+        use_distributed_optimizer: bool = True,
+        dtype: str = "float32",
+        seed: int = 0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        from transformers import AutoConfig
+
+        if pp != 1:
+            raise ConfigError("pipeline parallelism is not implemented in the megatron trainer yet: use pp=1")
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model {str(model)!r} is not a Hugging Face model directory (no config.json there)")
+        self.model_dir = path
+        self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        self.layout = Layout(self.hf_config)
+        self.dtype = getattr(torch, dtype)
+        self.tp, self.pp = tp, pp
+        self.micro_batch_tokens = micro_batch_tokens
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.timeout_s = timeout_s
+        self.optim = OptimSettings(lr, weight_decay, betas, grad_clip=grad_clip, warmup_steps=warmup_steps)
+        self.version = 0
+        self.step_count = 0
+        _init_distributed(timeout_s)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        if self.world % tp:
+            raise ConfigError(f"world size {self.world} is not divisible by tp={tp}")
+        self.dp = self.world // tp
+        torch.manual_seed(seed)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
+        with mcore_cpu.active():
+            self._build()
+
+    # -- construction -----------------------------------------------------------------------
+    def _build(self) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
+        self.ps = ps
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype)
+        spec = get_gpt_layer_local_spec(qk_layernorm=self.layout.qk_norm, normalization="RMSNorm")
+        from patchgym.backends.trainer.megatron_convert import rope_theta
+
+        gpt = GPTModel(
+            config,
+            spec,
+            vocab_size=self.hf_config.vocab_size,
+            max_sequence_length=self.hf_config.max_position_embeddings,
+            parallel_output=True,
+            share_embeddings_and_output_weights=self.layout.tied,
+            position_embedding_type="rope",
+            rotary_base=int(rope_theta(self.hf_config)),
+        )
+        self._load_hf(gpt, self.model_dir)
+        module = Float16Module(config, gpt) if self.dtype == torch.bfloat16 else gpt
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config, ddp_config, module)
+        self.gpt = gpt
+        optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.optim.lr,
+            weight_decay=self.optim.weight_decay,
+            adam_beta1=self.optim.betas[0],
+            adam_beta2=self.optim.betas[1],
+            adam_eps=self.optim.eps,
+            clip_grad=self.optim.grad_clip,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+        )
+        self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
+
+    def _load_hf(self, gpt: Any, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        hf_state: dict[str, torch.Tensor] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            hf_state.update(load_file(file))
+        if not hf_state:
+            raise ConfigError(f"no *.safetensors weights in {directory}")
+        full = self.layout.hf_to_mcore(hf_state)
+        params = dict(gpt.named_parameters())
+        missing = set(params) - set(full)
+        if missing:
+            raise ConfigError(f"the HF weights lack tensors for {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for name, param in params.items():
+                part = shard(name, full[name], self.tp, self.tp_rank)
+                if part.shape != param.shape:
+                    raise ConfigError(f"{name}: HF gives {tuple(part.shape)}, the model wants {tuple(param.shape)}")
+                param.copy_(part.to(param.dtype))
+
+    def settings(self) -> dict[str, Any]:
+        """Every limit and knob of this trainer."""
+        return {
+            "backend": "megatron",
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "world_size": self.world,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "use_distributed_optimizer": self.use_distributed_optimizer,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "cpu_shim": mcore_cpu.needed(),
+            "process_group_timeout_s": self.timeout_s,
+            **self.optim.as_dict(),
+        }
+
+    # -- compute ----------------------------------------------------------------------------
+    def _forward(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron.core import tensor_parallel
+
+        ids = t["input_ids"]
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        logits = self.model(ids, positions, block_causal_mask(t["sample_index"]))  # [b, s, v / tp]
+        logits = logits[:, :-1].float()
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), ids[:, 1:])
+        with torch.no_grad():
+            entropy = self._vocab_parallel_entropy(logits)
+        zero = logp.new_zeros(ids.shape[0], 1)
+        return torch.cat([zero, logp], dim=1), torch.cat([zero, entropy], dim=1)
+
+    def _vocab_parallel_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        group = self.ps.get_tensor_model_parallel_group()
+        peak = logits.max(-1, keepdim=True).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak
+        weights = shifted.exp()
+        z = weights.sum(-1)
+        s = (weights * shifted).sum(-1)
+        both = torch.stack([z, s])
+        dist.all_reduce(both, group=group)
+        return torch.log(both[0]) - both[1] / both[0]
+
+    def _my_micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        mbs = TrainBatch(batch.samples, self.micro_batch_tokens, True, batch.pad_id).micro_batches()
+        return mbs[self.dp_rank :: self.dp]
+
+    def _logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        out: list[list[float] | None] = [None] * len(batch.samples)
+        self.model.eval()
+        with torch.no_grad():
+            for mb in self._my_micro_batches(batch):
+                logp = self._forward(mb.tensors())[0]
+                for index, (row, start, length) in mb.spans.items():
+                    values = logp[row, start : start + length].tolist()
+                    values[0] = 0.0
+                    out[index] = values
+        self.model.train()
+        gathered: list[list[list[float] | None]] = [[] for _ in range(self.dp)]
+        dist.all_gather_object(gathered, out, group=self.ps.get_data_parallel_group())
+        return [next(part[i] for part in gathered if part[i] is not None) for i in range(len(batch.samples))]
+
+    def _train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float]:
+        started = time.perf_counter()
+        check_batch(loss, batch)
+        norm = Normaliser.of(batch)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.optim.lr * self.optim.lr_factor(self.step_count)
+        sums: dict[str, float] = {}
+        total = 0.0
+        for mb in self._my_micro_batches(batch):
+            tensors = mb.tensors()
+            logp, entropy = self._forward(tensors)
+            value, part = micro_batch_loss(loss, logp, tensors, norm, entropy=entropy)
+            (value * self.dp).backward()  # DDP averages over data-parallel ranks; the loss is already global
+            total += value.item()
+            add_sums(sums, part)
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        _, grad_norm, _ = self.optimizer.step()
+        keys = sorted(sums | {"tokens": 0.0})
+        reduced = torch.tensor([total] + [sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        dist.all_reduce(reduced, group=self.ps.get_data_parallel_group())
+        total, sums = float(reduced[0]), {k: float(v) for k, v in zip(keys, reduced[1:].tolist(), strict=True)}
+        self.step_count += 1
+        self.version += 1
+        elapsed = time.perf_counter() - started
+        return {
+            "loss": total,
+            "grad_norm": float(grad_norm or 0.0),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "version": float(self.version),
+            "step_s": elapsed,
+            "tokens_per_s": batch.total_tokens / elapsed,
+            **summarize(sums),
+        }
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """Every megatron tensor, gathered over tensor parallelism (on every rank)."""
+        group = self.ps.get_tensor_model_parallel_group()
+        out = {}
+        for name, param in self.gpt.named_parameters():
+            local = param.detach().float().contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.tp)]
+            dist.all_gather(parts, local, group=group)
+            out[name] = unshard(name, parts).to(self.dtype)
+        return out
+
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        return self.layout.mcore_to_hf(self._full_state())
+
+    def _export(self, directory: Path) -> Path:
+        from safetensors.torch import save_file
+
+        state = self._hf_state()
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.hf_config.save_pretrained(directory)
+            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        dist.barrier()
+        return directory
+
+    def _save(self, directory: Path) -> None:
+        self._export(directory / "model")
+        state = {
+            "version": self.version,
+            "step": self.step_count,
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_state(),
+        }
+        if self.use_distributed_optimizer:
+            state["param_state"] = self.optimizer.get_parameter_state_dp_reshardable()
+        torch.save(state, directory / STATE_FILE.format(rank=self.rank))
+        if self.rank == 0:
+            (directory / "megatron.json").write_text(json.dumps(self.settings()))
+        dist.barrier()
+
+    def _load(self, directory: Path) -> None:
+        path = directory / STATE_FILE.format(rank=self.rank)
+        if not path.is_file():
+            raise ConfigError(f"{directory} is not a megatron checkpoint for this world size (no {path.name})")
+        self._load_hf(self.gpt, directory / "model")
+        state = torch.load(path, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "param_state" in state:
+            self.optimizer.load_parameter_state_from_dp_reshardable(state["param_state"])
+        self.model.zero_grad_buffer()
+        set_rng_state(state["rng"])
+        self.version, self.step_count = state["version"], state["step"]
+
+    # -- rank 0 drives, the others follow ----------------------------------------------------
+    def _execute(self, command: str, args: tuple) -> Any:
+        handlers = {
+            "logprobs": self._logprobs,
+            "train_step": self._train_step,
+            "hf_state": self._hf_state,
+            "export": self._export,
+            "save": self._save,
+            "load": self._load,
+        }
+        with mcore_cpu.active():
+            return handlers[command](*args)
+
+    def _call(self, command: str, *args: Any) -> Any:
+        if self.world > 1:
+            dist.broadcast_object_list([(command, args)], src=0)
+        return self._execute(command, args)
+
+    def follow(self) -> None:
+        """On ranks other than 0: run rank 0's calls until it closes the trainer."""
+        if self.rank == 0:
+            raise ConfigError("follow() is for ranks other than 0; rank 0 drives the trainer")
+        while True:
+            message: list[Any] = [None]
+            dist.broadcast_object_list(message, src=0)
+            command, args = message[0]
+            if command == "stop":
+                return
+            self._execute(command, args)
+
+    async def _run(self, command: str, *args: Any) -> Any:
+        if self.rank != 0:
+            raise ConfigError("only rank 0 calls the trainer; other ranks run follow()")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._call, command, *args)
+
+    async def logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Per-token log-probs of every sample under the current weights (entry 0 is 0.0)."""
+        return await self._run("logprobs", batch)
+
+    async def train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float]:
+        """One optimiser step over `batch`, its micro-batches split across data-parallel ranks."""
+        return await self._run("train_step", batch, loss)
+
+    async def weights(self, export_to: Path | None = None) -> TrainerWeights:
+        """The full weights in HF names (gathered over TP); with `export_to`, also an HF directory."""
+        state = await self._run("hf_state")
+        path = await self._run("export", Path(export_to)) if export_to is not None else None
+        return TrainerWeights(self.version, state, path, {"format": "hf"})
+
+    async def save(self, directory: Path) -> None:
+        """Weights (HF format) plus each rank's optimizer state and RNG state."""
+        await self._run("save", Path(directory))
+
+    async def load(self, directory: Path) -> None:
+        await self._run("load", Path(directory))
+
+    async def aclose(self) -> None:
+        """Release the followers and the worker thread (rank 0)."""
+        if self.rank == 0 and self.world > 1:
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: dist.broadcast_object_list([("stop", ())], src=0)
+            )
+        self._executor.shutdown(wait=True)

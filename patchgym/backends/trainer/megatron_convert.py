@@ -1,0 +1,185 @@
+"""Hugging Face <-> megatron-core for the Llama / Qwen2 / Qwen3 family: config and weight names.
+
+Megatron layout (local layer spec): `linear_qkv` holds, per query group, that group's query
+heads then its key and value head; `linear_fc1` holds gate then up. Tensor parallelism splits
+column-parallel weights (embedding, qkv, fc1, output) on dim 0, with fc1 split as gate and up
+separately, and row-parallel weights (attention output, fc2) on dim 1; norms are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from patchgym.core.errors import ConfigError
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+def rope_theta(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    scaling = getattr(hf, "rope_scaling", None)
+    if rope_type != "default" or (isinstance(scaling, dict) and scaling.get("rope_type", "default") != "default"):
+        raise ConfigError(f"RoPE scaling {rope_type!r} is not supported by the megatron trainer; use plain RoPE")
+    theta = getattr(hf, "rope_theta", None) or params.get("rope_theta")
+    if theta is None:
+        raise ConfigError("the HF config has no rope_theta")
+    return float(theta)
+
+
+class Layout:
+    """Shapes of one model's attention, from its HF config."""
+
+    def __init__(self, hf: Any) -> None:
+        if hf.model_type not in SUPPORTED:
+            raise ConfigError(f"model type {hf.model_type!r} is not supported; use one of {', '.join(SUPPORTED)}")
+        self.hf = hf
+        self.heads = hf.num_attention_heads
+        self.groups = hf.num_key_value_heads or hf.num_attention_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.heads
+        self.qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+        self.qk_norm = hf.model_type == "qwen3"
+        self.tied = bool(hf.tie_word_embeddings)
+        if getattr(hf, "mlp_bias", False):
+            raise ConfigError("MLP biases are not supported by the megatron trainer")
+
+    def transformer_config(self, *, tp: int, pp: int, dtype: torch.dtype) -> Any:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        hf = self.hf
+        for name, value in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups)):
+            if value % tp:
+                raise ConfigError(f"{name}={value} is not divisible by tensor parallel size {tp}")
+        if hf.vocab_size % tp:
+            raise ConfigError(f"vocab_size={hf.vocab_size} is not divisible by tensor parallel size {tp}")
+        return TransformerConfig(
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            ffn_hidden_size=hf.intermediate_size,
+            num_attention_heads=self.heads,
+            num_query_groups=self.groups,
+            kv_channels=self.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=hf.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_norm,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+            use_cpu_initialization=True,
+        )
+
+    # -- names and shapes ------------------------------------------------------------------
+    def _qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        per = self.heads // self.groups
+        rest = q.shape[1:]
+        q = q.reshape(self.groups, per * self.head_dim, *rest)
+        k = k.reshape(self.groups, self.head_dim, *rest)
+        v = v.reshape(self.groups, self.head_dim, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        per = self.heads // self.groups
+        rest = qkv.shape[1:]
+        grouped = qkv.reshape(self.groups, (per + 2) * self.head_dim, *rest)
+        q, k, v = torch.split(grouped, [per * self.head_dim, self.head_dim, self.head_dim], dim=1)
+        return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+    def hf_to_mcore(self, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full (unsharded) megatron tensors from an HF state dict."""
+        out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"]}
+        out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
+        if not self.tied:
+            out["output_layer.weight"] = hf_state["lm_head.weight"]
+        for i in range(self.hf.num_hidden_layers):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            attn = h + "self_attn."
+            out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
+            out[m + "self_attention.linear_qkv.weight"] = self._qkv(
+                *(hf_state[f"{attn}{p}_proj.weight"] for p in "qkv")
+            )
+            if self.qkv_bias:
+                out[m + "self_attention.linear_qkv.bias"] = self._qkv(
+                    *(hf_state[f"{attn}{p}_proj.bias"] for p in "qkv")
+                )
+            if self.qk_norm:
+                out[m + "self_attention.q_layernorm.weight"] = hf_state[attn + "q_norm.weight"]
+                out[m + "self_attention.k_layernorm.weight"] = hf_state[attn + "k_norm.weight"]
+            out[m + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
+            out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]]
+            )
+            out[m + "mlp.linear_fc2.weight"] = hf_state[h + "mlp.down_proj.weight"]
+        return out
+
+    def mcore_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF tensors (the names transformers and SGLang load) from full megatron tensors."""
+        out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
+        out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+        if not self.tied:
+            out["lm_head.weight"] = state["output_layer.weight"]
+        for i in range(self.hf.num_hidden_layers):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            attn = h + "self_attn."
+            out[h + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
+            for p, t in zip("qkv", self._split_qkv(state[m + "self_attention.linear_qkv.weight"]), strict=True):
+                out[f"{attn}{p}_proj.weight"] = t
+            if self.qkv_bias:
+                for p, t in zip("qkv", self._split_qkv(state[m + "self_attention.linear_qkv.bias"]), strict=True):
+                    out[f"{attn}{p}_proj.bias"] = t
+            if self.qk_norm:
+                out[attn + "q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
+                out[attn + "k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
+            out[attn + "o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
+            out[h + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
+            gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            out[h + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")
+
+
+def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """This tensor-parallel rank's part of a full megatron tensor."""
+    if tp == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    if name.endswith(COLUMN_PARALLEL):
+        return full.chunk(tp, dim=0)[rank]
+    if name.endswith(ROW_PARALLEL):
+        return full.chunk(tp, dim=1)[rank]
+    return full
+
+
+def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from every tensor-parallel rank's part (inverse of `shard`)."""
+    if len(parts) == 1:
+        return parts[0]
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2) for p in parts]
+        return torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])])
+    if name.endswith(COLUMN_PARALLEL):
+        return torch.cat(parts, dim=0)
+    if name.endswith(ROW_PARALLEL):
+        return torch.cat(parts, dim=1)
+    return parts[0]

@@ -1,0 +1,48 @@
+"""A torchrun program for the Megatron trainer tests: train a few steps, write what it saw as JSON.
+
+Run: torchrun --nproc_per_node=N tests/megatron_worker.py MODEL_DIR OUT_DIR TP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+warnings.filterwarnings("ignore")
+
+from patchgym.backends.trainer.megatron import MegatronTrainer  # noqa: E402
+from patchgym.core.batch import TrainBatch  # noqa: E402
+from patchgym.core.losses import GRPOLoss, SFTLoss  # noqa: E402
+from tests.tiny_models import random_samples  # noqa: E402
+
+STEPS = 4
+
+
+async def drive(trainer: MegatronTrainer, out: Path) -> None:
+    sft = TrainBatch(random_samples(8, seed=21, advantages=False))
+    grpo = TrainBatch(random_samples(8, seed=22))
+    result = {"settings": trainer.settings(), "logprobs": await trainer.logprobs(grpo), "sft": [], "grpo": []}
+    for _ in range(STEPS):
+        result["sft"].append(await trainer.train_step(sft, SFTLoss()))
+    for _ in range(2):
+        result["grpo"].append(await trainer.train_step(grpo, GRPOLoss()))
+    await trainer.weights(export_to=out / "hf")
+    await trainer.aclose()
+    (out / "result.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    model, out, tp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    trainer = MegatronTrainer(model, tp=tp, lr=3e-3, micro_batch_tokens=96)
+    if trainer.rank == 0:
+        asyncio.run(drive(trainer, out))
+    else:
+        trainer.follow()
+
+
+if __name__ == "__main__":
+    main()
