@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -36,6 +37,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 TaskSetArg = Annotated[str, typer.Argument(help="a task set name (see `patchgym plugins`) or a folder of tasks")]
 SandboxOpt = Annotated[str, typer.Option("--sandbox", help="sandbox backend name")]
+SandboxOptionsOpt = Annotated[
+    list[str] | None,
+    typer.Option("--sandbox-option", help="KEY=VALUE setting of the sandbox backend (repeatable)"),
+]
+
+
+def parse_options(items: list[str] | None) -> dict[str, Any]:
+    """KEY=VALUE pairs; values are read as YAML scalars (8 → int, true → bool, text → str)."""
+    options: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected KEY=VALUE, got {item!r}")
+        options[key] = yaml.safe_load(value) if value else ""
+    return options
+
+
+def make_sandbox(name: str, options: list[str] | None) -> SandboxBackend:
+    return registry().create("sandbox", name, **parse_options(options))
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 
 
@@ -122,13 +144,14 @@ async def _validate_all(tasks: list[Task], backend: SandboxBackend, concurrency:
 def tasks_validate(
     task_set: TaskSetArg,
     sandbox: SandboxOpt = "local",
+    sandbox_option: SandboxOptionsOpt = None,
     limit: Annotated[int | None, typer.Option(min=1, help="validate only the first N tasks")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="tasks validated at once")] = 4,
     as_json: JsonOpt = False,
 ) -> None:
     """Check every task: its gold patch must earn reward 1 and the empty patch reward 0."""
     tasks = list(load_task_set(task_set))[:limit]
-    backend = registry().create("sandbox", sandbox)
+    backend = make_sandbox(sandbox, sandbox_option)
     results = asyncio.run(_validate_all(tasks, backend, concurrency))
     invalid = [r for r in results if not r.valid]
     if as_json:
@@ -156,11 +179,13 @@ def tasks_validate(
 
 @env_app.command("play")
 @friendly_errors
-def env_play(task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local") -> None:
+def env_play(
+    task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local", sandbox_option: SandboxOptionsOpt = None
+) -> None:
     """Be the agent: type bash commands, see what the agent would see. `submit` ends and grades."""
     from patchgym.envs.swe import SWEEnv
 
-    env = SWEEnv(load_task_set(task_set), sandbox)
+    env = SWEEnv(load_task_set(task_set), sandbox, sandbox_options=parse_options(sandbox_option))
     try:
         observation, info = env.reset(options={"task": task_id})
         console.print(info["system_prompt"], style="dim", markup=False, highlight=False)
@@ -232,11 +257,12 @@ def sandbox_build_base(
 @friendly_errors
 def sandbox_reap(
     sandbox: SandboxOpt = "docker",
+    sandbox_option: SandboxOptionsOpt = None,
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE a sandbox must carry (repeatable)")] = None,
 ) -> None:
     """Remove leaked sandboxes carrying all the given labels (all patchgym sandboxes if none)."""
-    labels = dict(item.partition("=")[::2] for item in label or [])
-    backend = registry().create("sandbox", sandbox)
+    labels = {key: str(value) for key, value in parse_options(label).items()}
+    backend = make_sandbox(sandbox, sandbox_option)
 
     async def reap() -> int:
         try:
@@ -269,6 +295,7 @@ def eval_chat_model(
     task_set: Annotated[str, typer.Option("--task-set", help="a task set name or a folder of tasks")],
     model: Annotated[str | None, typer.Option(help="model name (default: the first at /v1/models)")] = None,
     sandbox: SandboxOpt = "local",
+    sandbox_option: SandboxOptionsOpt = None,
     attempts: Annotated[int, typer.Option(min=1, help="episodes per task (pass@1 is averaged)")] = 1,
     concurrency: Annotated[int, typer.Option(min=1, help="episodes at once (and HTTP connections)")] = 4,
     limit: Annotated[int | None, typer.Option(min=1, help="only the first N tasks")] = None,
@@ -293,7 +320,7 @@ def eval_chat_model(
         temperature=temperature,
         max_connections=concurrency,
     )
-    backend = registry().create("sandbox", sandbox)
+    backend = make_sandbox(sandbox, sandbox_option)
 
     async def run() -> Any:
         columns = (TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -292,3 +292,20 @@ def test_env_play_unknown_sandbox_exits_2() -> None:
     result = invoke("env", "play", "tiny", "roman-subtractive", "--sandbox", "nosuchbox", input="")
     assert result.exit_code == 2, result.output
     assert "nosuchbox" in text(result) and "local" in text(result)
+
+
+def test_sandbox_options_are_parsed_and_checked(tmp_path: Path) -> None:
+    from patchgym.cli import parse_options
+
+    assert parse_options(["isolation=none", "io_workers=3", "flag=true", "name="]) == {
+        "isolation": "none",
+        "io_workers": 3,
+        "flag": True,
+        "name": "",
+    }
+    result = runner.invoke(app, ["tasks", "validate", "tiny", "--limit", "1", "--sandbox-option", "isolation=none"])
+    assert result.exit_code == 0, result.output
+    bad = runner.invoke(app, ["tasks", "validate", "tiny", "--sandbox-option", "isolaton=none"])
+    assert bad.exit_code == 2 and "isolaton" in bad.output
+    malformed = runner.invoke(app, ["tasks", "validate", "tiny", "--sandbox-option", "novalue"])
+    assert malformed.exit_code == 2 and "expected KEY=VALUE" in malformed.output

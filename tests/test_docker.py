@@ -151,15 +151,16 @@ async def test_killed_run_leaves_no_containers_after_restart(workspace: Path) ->
 
 
 def test_tiny_task_set_validates_on_docker_and_leaves_nothing() -> None:
-    from patchgym.backends.sandbox.docker import owner_name
     from patchgym.cli import app
 
-    result = CliRunner().invoke(app, ["tasks", "validate", "tiny", "--sandbox", "docker", "--json"])
+    owner = f"patchgym-test-cli-{os.getpid()}"
+    command = ["tasks", "validate", "tiny", "--sandbox", "docker", "--sandbox-option", f"owner={owner}", "--json"]
+    result = CliRunner().invoke(app, command)
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["valid"] and len(report["tasks"]) == 6
     leftovers = subprocess.run(
-        ["docker", "ps", "-aq", "--filter", f"label=patchgym.owner={owner_name()}"], capture_output=True, text=True
+        ["docker", "ps", "-aq", "--filter", f"label=patchgym.owner={owner}"], capture_output=True, text=True
     )
     assert leftovers.stdout.strip() == ""
 

@@ -582,3 +582,15 @@ def test_cli_plugins_command_shows_a_failed_plugin(sites: Sites) -> None:
         assert recs["goodpg"]["status"] == "loaded"
     finally:
         reset_registry()
+
+
+def test_lazy_factories_check_options_and_explain_missing_dependencies() -> None:
+    from patchgym.core.plugins import LazyFactory
+
+    reg = Registry(entry_point_group=None)
+    reg.register("task_set", "lazy-missing", LazyFactory("no_such_module_xyz:Thing", "pip install xyz"))
+    with pytest.raises(ConfigError, match="no_such_module_xyz:Thing cannot be imported .*: pip install xyz"):
+        reg.create("task_set", "lazy-missing")
+    with pytest.raises(ConfigError, match="invalid options for sandbox backend 'local'.*isolaton"):
+        reg.create("sandbox", "local", isolaton="none")
+    assert reg.create("task_set", "easy", count=1, cache_dir=None).name == "easy-train"

@@ -268,6 +268,33 @@ class Registry:
         return factory(**options)
 
 
+class LazyFactory:
+    """A factory named "module:attr", imported on first use so optional dependencies stay optional.
+
+    Its signature is the target's, so the registry checks options before anything is built; a
+    missing dependency is a `ConfigError` carrying `install_hint`.
+    """
+
+    def __init__(self, target: str, install_hint: str = "") -> None:
+        self.target = target
+        self.install_hint = install_hint
+
+    def load(self) -> Callable[..., Any]:
+        module, _, attr = self.target.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except ImportError as exc:
+            hint = f": {self.install_hint}" if self.install_hint else ""
+            raise ConfigError(f"{self.target} cannot be imported ({exc}){hint}") from exc
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.load())
+
+    def __call__(self, **options: Any) -> Any:
+        return self.load()(**options)
+
+
 _registry: Registry | None = None
 
 

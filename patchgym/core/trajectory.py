@@ -37,6 +37,13 @@ class Trajectory:
     grade: dict[str, Any] | None = None
     infra_error: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    """The whole conversation as the tokens the engine saw and sampled (filled by the agent loop)."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 on tokens the policy sampled, 0 on prompt and observation tokens."""
+    engine_logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each token (-1 where no policy did)."""
 
     @property
     def trainable(self) -> bool:

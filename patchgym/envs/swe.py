@@ -215,6 +215,17 @@ class AsyncSWEEnv:
         _, reward, _, _, info = await self._finish("", "", reason)
         return reward, info
 
+    async def fail(self, error: InfraError) -> dict[str, Any]:
+        """End the episode because of an infrastructure fault outside the sandbox (e.g. the engine).
+
+        Nothing is graded and the trajectory carries `infra_error`: it must not be trained on.
+        """
+        if self._done:
+            raise RuntimeError("the episode is already over")
+        self._end("infra_error", infra_error=error)
+        _, _, _, _, info = await self._finish("", "", "infra_error")
+        return info
+
     async def _finish_if_capped(self, observation: str, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         assert self.trajectory is not None
         if len(self.trajectory.turns) >= self.config.max_turns:

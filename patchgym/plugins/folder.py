@@ -20,13 +20,13 @@ import json
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from patchgym.core.errors import ConfigError
 from patchgym.core.grading import PROTECTED_FILE_NAMES, UNITTEST_COMMAND, TestCommandGrader
-from patchgym.core.plugins import Register, hookimpl
+from patchgym.core.plugins import LazyFactory, Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
 from patchgym.core.tasks import Task, TaskSet
 
@@ -138,10 +138,8 @@ def tiny_task_set() -> FolderTaskSet:
 def register_task_sets(register: Register) -> None:
     register("tiny", tiny_task_set, "six tiny Python projects with one bug each (built in, offline)")
     register("folder", FolderTaskSet, "task folders on disk (option: path)")
-    register("easy", _easy, "generated one-line bugs spelled out in the issue (options: count, seed, split)")
-
-
-def _easy(**options: Any) -> TaskSet:
-    from patchgym.plugins.easy import easy_task_set
-
-    return easy_task_set(**options)
+    register(
+        "easy",
+        LazyFactory("patchgym.plugins.easy:easy_task_set"),
+        "generated one-line bugs spelled out in the issue (options: count, seed, split)",
+    )

@@ -1,24 +1,14 @@
-"""Registers the built-in inference backends."""
+"""Registers the built-in inference backends (each imported on first use)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from patchgym.core.errors import ConfigError
-from patchgym.core.inference import InferenceEngine
-from patchgym.core.plugins import Register, hookimpl
-
-
-def _embedded(**settings: Any) -> InferenceEngine:
-    try:
-        from patchgym.backends.inference.embedded import EmbeddedEngine
-    except ImportError as exc:
-        raise ConfigError(
-            f"the embedded inference backend needs torch and transformers: pip install 'patchgym[train]' ({exc})"
-        ) from exc
-    return EmbeddedEngine(**settings)
+from patchgym.core.plugins import LazyFactory, Register, hookimpl
 
 
 @hookimpl
 def register_inference_backends(register: Register) -> None:
-    register("embedded", _embedded, "a transformers model in this process, continuous batching with a KV cache")
+    register(
+        "embedded",
+        LazyFactory("patchgym.backends.inference.embedded:EmbeddedEngine", "pip install 'patchgym[train]'"),
+        "a transformers model in this process, continuous batching with a KV cache",
+    )

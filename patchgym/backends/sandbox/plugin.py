@@ -1,31 +1,19 @@
-"""Registers the built-in sandbox backends."""
+"""Registers the built-in sandbox backends (each imported on first use)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from patchgym.core.errors import ConfigError
-from patchgym.core.plugins import Register, hookimpl
-from patchgym.core.sandbox import SandboxBackend
-
-
-def _local(**settings: Any) -> SandboxBackend:
-    from patchgym.backends.sandbox.local import LocalSandboxBackend
-
-    return LocalSandboxBackend(**settings)
-
-
-def _docker(**settings: Any) -> SandboxBackend:
-    try:
-        from patchgym.backends.sandbox.docker import DockerSandboxBackend
-    except ImportError as exc:
-        raise ConfigError(
-            f"the docker sandbox backend needs the docker SDK: pip install 'patchgym[docker]' ({exc})"
-        ) from exc
-    return DockerSandboxBackend(**settings)
+from patchgym.core.plugins import LazyFactory, Register, hookimpl
 
 
 @hookimpl
 def register_sandbox_backends(register: Register) -> None:
-    register("local", _local, "workspace copies on this host, isolated with bubblewrap when available")
-    register("docker", _docker, "Docker containers (network off), warm pool, reaping of leaked containers")
+    register(
+        "local",
+        LazyFactory("patchgym.backends.sandbox.local:LocalSandboxBackend"),
+        "workspace copies on this host, isolated with bubblewrap when available",
+    )
+    register(
+        "docker",
+        LazyFactory("patchgym.backends.sandbox.docker:DockerSandboxBackend", "pip install 'patchgym[docker]'"),
+        "Docker containers (network off), warm pool, reaping of leaked containers",
+    )
