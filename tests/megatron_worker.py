@@ -28,8 +28,11 @@ async def drive(trainer: MegatronTrainer, out: Path) -> None:
     result = {"settings": trainer.settings(), "logprobs": await trainer.logprobs(grpo), "sft": [], "grpo": []}
     for _ in range(STEPS):
         result["sft"].append(await trainer.train_step(sft, SFTLoss()))
+    await trainer.save(out / "ckpt")
     for _ in range(2):
         result["grpo"].append(await trainer.train_step(grpo, GRPOLoss()))
+    await trainer.load(out / "ckpt")  # resume: the same steps again must give the same numbers
+    result["grpo_resumed"] = [await trainer.train_step(grpo, GRPOLoss()) for _ in range(2)]
     await trainer.weights(export_to=out / "hf")
     await trainer.aclose()
     (out / "result.json").write_text(json.dumps(result))

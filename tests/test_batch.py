@@ -73,3 +73,11 @@ def test_train_batch_counts() -> None:
     batch = TrainBatch([make(4), Sample([1, 2], [0, 0])], micro_batch_tokens=16)
     assert batch.trained_tokens == 3 and batch.trained_samples == 1 and batch.total_tokens == 6
     assert len(batch.micro_batches()) == 1
+
+
+def test_pad_with_fixed_rows() -> None:
+    samples = [make(n) for n in (5, 30, 7, 2, 16)]
+    mbs = pad(samples, 64, rows=2)
+    assert [mb.shape for mb in mbs] == [(2, 30), (2, 7), (1, 16)]
+    with pytest.raises(ConfigError, match="rows"):
+        pad(samples, 64, rows=0)

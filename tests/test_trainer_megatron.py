@@ -77,6 +77,12 @@ def test_tp2_and_dp2_match_tp1_over_several_steps(runs: dict) -> None:
     assert {"clip_fraction", "logprob_gap", "is_ess", "entropy"} <= set(grpo)
 
 
+def test_save_load_resumes_exactly(runs: dict) -> None:
+    for name in ("tp1", "tp2", "dp2"):
+        for a, b in zip(runs[name]["grpo"], runs[name]["grpo_resumed"], strict=True):
+            assert (a["loss"], a["grad_norm"], a["version"]) == (b["loss"], b["grad_norm"], b["version"]), name
+
+
 def test_sft_loss_decreases(runs: dict) -> None:
     losses = [m["loss"] for m in runs["tp2"]["sft"]]
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses

@@ -157,18 +157,23 @@ def pack(samples: Sequence[Sample], token_budget: int, *, pad_id: int = 0) -> li
     return out
 
 
-def pad(samples: Sequence[Sample], token_budget: int, *, pad_id: int = 0) -> list[MicroBatch]:
-    """One sample per row, rows padded to the longest; rows x width stays within `token_budget`.
+def pad(samples: Sequence[Sample], token_budget: int, *, pad_id: int = 0, rows: int | None = None) -> list[MicroBatch]:
+    """One sample per row, rows padded to the longest, samples in their given order.
 
-    Samples are taken in their given order (the usual unsorted padded batching).
+    By default a micro-batch takes rows while rows x width stays within `token_budget`; with
+    `rows`, every micro-batch takes that many samples whatever their lengths (the fixed
+    micro-batch size of frameworks without packing).
     """
     _check_budget(samples, token_budget)
+    if rows is not None and rows < 1:
+        raise ConfigError(f"rows must be at least 1 (got {rows})")
     out: list[MicroBatch] = []
     members: list[int] = []
     for i in [*range(len(samples)), None]:
         if i is not None:
             width = max(len(samples[j]) for j in [*members, i])
-            if (len(members) + 1) * width <= token_budget:
+            fits = len(members) < rows if rows is not None else (len(members) + 1) * width <= token_budget
+            if fits:
                 members.append(i)
                 continue
         if members:
@@ -188,14 +193,17 @@ class TrainBatch:
     micro_batch_tokens: int = 8192
     packing: bool = True
     pad_id: int = 0
+    rows: int | None = None
+    """Without packing: a fixed number of rows per micro-batch (None: as many as the budget allows)."""
 
     def __post_init__(self) -> None:
         if not self.samples:
             raise ConfigError("a training batch needs at least one sample")
 
     def micro_batches(self) -> list[MicroBatch]:
-        split = pack if self.packing else pad
-        return split(self.samples, self.micro_batch_tokens, pad_id=self.pad_id)
+        if self.packing:
+            return pack(self.samples, self.micro_batch_tokens, pad_id=self.pad_id)
+        return pad(self.samples, self.micro_batch_tokens, pad_id=self.pad_id, rows=self.rows)
 
     @property
     def trained_tokens(self) -> int:

@@ -57,6 +57,7 @@ class EmbeddedTrainer:
         warmup_steps: int = 0,
         micro_batch_tokens: int = 8192,
         packing: bool = True,
+        micro_batch_rows: int | None = None,
         gradient_checkpointing: bool = False,
         reference_model: Any = None,
         dtype: str = "float32",
@@ -88,6 +89,7 @@ class EmbeddedTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optim.lr_factor)
         self.micro_batch_tokens = micro_batch_tokens
         self.packing = packing
+        self.micro_batch_rows = micro_batch_rows
         self.gradient_checkpointing = gradient_checkpointing
         self.threads = threads
         self.version = 0
@@ -100,6 +102,7 @@ class EmbeddedTrainer:
             "backend": "embedded",
             "micro_batch_tokens": self.micro_batch_tokens,
             "packing": self.packing,
+            "micro_batch_rows": self.micro_batch_rows,
             "gradient_checkpointing": self.gradient_checkpointing,
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": self.threads or torch.get_num_threads(),
@@ -111,7 +114,7 @@ class EmbeddedTrainer:
     # -- compute (worker thread) ----------------------------------------------------------
     def _prepare(self, batch: TrainBatch) -> TrainBatch:
         """Apply this trainer's micro-batch settings to `batch`."""
-        return TrainBatch(batch.samples, self.micro_batch_tokens, self.packing, self._pad_id)
+        return TrainBatch(batch.samples, self.micro_batch_tokens, self.packing, self._pad_id, self.micro_batch_rows)
 
     def _forward_with(self, model: Any) -> Any:
         def forward(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -311,15 +311,18 @@ class MegatronTrainer:
         state = {
             "version": self.version,
             "step": self.step_count,
-            "optimizer": self.optimizer.state_dict(),
+            # this rank's torch optimizers: its shard's moments and step counts, exactly
+            "optimizers": [o.optimizer.state_dict() for o in self._optimizers()],
             "rng": rng_state(),
         }
-        if self.use_distributed_optimizer:
-            state["param_state"] = self.optimizer.get_parameter_state_dp_reshardable()
         torch.save(state, directory / STATE_FILE.format(rank=self.rank))
         if self.rank == 0:
             (directory / "megatron.json").write_text(json.dumps(self.settings()))
         dist.barrier()
+
+    def _optimizers(self) -> list[Any]:
+        """The optimizers a megatron `ChainedOptimizer` holds (or the optimizer itself)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _load(self, directory: Path) -> None:
         path = directory / STATE_FILE.format(rank=self.rank)
@@ -327,9 +330,8 @@ class MegatronTrainer:
             raise ConfigError(f"{directory} is not a megatron checkpoint for this world size (no {path.name})")
         self._load_hf(self.gpt, directory / "model")
         state = torch.load(path, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if "param_state" in state:
-            self.optimizer.load_parameter_state_from_dp_reshardable(state["param_state"])
+        for optimizer, saved in zip(self._optimizers(), state["optimizers"], strict=True):
+            optimizer.optimizer.load_state_dict(saved)
         self.model.zero_grad_buffer()
         set_rng_state(state["rng"])
         self.version, self.step_count = state["version"], state["step"]
