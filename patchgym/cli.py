@@ -225,6 +225,32 @@ def _print_outcome(reward: float, info: dict[str, Any]) -> None:
                 console.print(f"{label}: {details[label]['passed']}/{details[label]['total']} passing")
 
 
+@app.command("run")
+@friendly_errors
+def run_pipeline(
+    config: Annotated[Path | None, typer.Argument(help="a run configuration (YAML)")] = None,
+    resume: Annotated[Path | None, typer.Option(help="continue the run in this directory")] = None,
+) -> None:
+    """Run the pipeline: eval base → SFT → eval → GRPO → eval, with checkpoints and metrics."""
+    import shutil
+
+    from patchgym.pipeline.config import load_run_config
+    from patchgym.pipeline.run import Pipeline
+
+    if (config is None) == (resume is None):
+        raise ConfigError("give either CONFIG (a new run) or --resume RUN_DIR (continue a run)")
+    source = resume / "config.yaml" if resume is not None else config
+    assert source is not None
+    settings = load_run_config(source)
+    if resume is not None:
+        settings = settings.model_copy(update={"run_dir": str(resume)})
+    else:
+        Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, Path(settings.run_dir) / "config.yaml")
+    asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
+    console.print(f"events, checkpoints and plots: {escape(settings.run_dir)} (`patchgym report` draws the plots)")
+
+
 @app.command()
 @friendly_errors
 def report(run_dir: Annotated[Path, typer.Argument(help="a run directory holding events.jsonl")]) -> None:

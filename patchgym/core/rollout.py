@@ -101,6 +101,7 @@ class RolloutManager:
         self._slots = asyncio.Semaphore(self.config.concurrency)
         self._ready: asyncio.Queue[Group | None] = asyncio.Queue()  # None: no group will come any more
         self._running: dict[asyncio.Task[None], Group] = {}
+        self._unconsumed: dict[int, Group] = {}  # started, not yet handed out or discarded
         self._wake = asyncio.Event()
         self._producer: asyncio.Task[None] | None = None
         self._tasks_done = False
@@ -125,6 +126,7 @@ class RolloutManager:
             while self._capacity() > 0 and (task := self._next_task()) is not None:
                 group = Group(task, start_version=self.version, started_at=time.perf_counter())
                 self._started_groups += 1
+                self._unconsumed[id(group)] = group
                 runner = asyncio.create_task(self._run_group(group))
                 self._running[runner] = group
             self._signal_if_finished()
@@ -176,6 +178,7 @@ class RolloutManager:
                 self._ready.put_nowait(None)  # stays finished for later calls
                 break
             if self._usable(group):
+                self._unconsumed.pop(id(group), None)
                 groups.append(group)
         if not groups:
             return None
@@ -195,10 +198,18 @@ class RolloutManager:
 
     def _discard(self, group: Group, reason: str) -> bool:
         """Count why a group is not used and give its place back to a new group."""
+        self._unconsumed.pop(id(group), None)
         self._counters[reason] += 1
         self._started_groups -= 1
         self._wake.set()
         return False
+
+    def pending_groups(self) -> list[Group]:
+        """Groups started but not handed to the trainer yet (running, or finished and waiting).
+
+        A checkpoint records their tasks so that a resumed run starts them again.
+        """
+        return list(self._unconsumed.values())
 
     def publish(self, version: int) -> None:
         """The trainer has published `version`: admit new groups and cancel hopeless stragglers."""

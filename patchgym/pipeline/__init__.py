@@ -1,0 +1,1 @@
+"""The SFT → GRPO → eval pipeline behind `patchgym run`."""

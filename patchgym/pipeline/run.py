@@ -1,0 +1,352 @@
+"""`patchgym run`: evaluate the base policy, SFT on oracle traces, GRPO, evaluate after each stage.
+
+Everything goes through the registry (sandbox, inference and trainer backends, task sets) and
+the run directory holds the event log, checkpoints and `state.json`; `--resume` continues a
+run after a crash or SIGKILL from its last checkpoint: finished stages are skipped, GRPO
+continues at the checkpointed step with the same task order, and groups that were running at
+the checkpoint are started again (never trained on twice, never lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from patchgym.core.batch import Sample, TrainBatch
+from patchgym.core.inference import Generation, SamplingParams
+from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
+from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink
+from patchgym.core.plugins import registry
+from patchgym.core.rollout import Batch, RolloutManager
+from patchgym.core.tasks import Task, TaskSet
+from patchgym.core.trajectory import Trajectory
+from patchgym.core.validation import oracle_command
+from patchgym.envs.agent import AgentConfig, describe, run_agent
+from patchgym.envs.swe import AsyncSWEEnv
+from patchgym.pipeline.config import RunConfig
+
+STATE_FILE = "state.json"
+SUBMIT_MESSAGE = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"
+
+
+def _progress(console: Console) -> Progress:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=True)
+
+
+class OraclePolicy:
+    """A scripted policy that runs a task's oracle command, then submits: SFT traces by replay."""
+
+    max_context = 1 << 30
+
+    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
+        self._messages = [f"```bash\n{oracle_command(task)}\n```", SUBMIT_MESSAGE]
+        self._tokenizer, self._end = tokenizer, turn_end_id
+
+    async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
+        text = self._messages.pop(0) if self._messages else SUBMIT_MESSAGE
+        tokens = [*self._tokenizer.encode(text, add_special_tokens=False), self._end]
+        return Generation(tokens, [0.0] * len(tokens), "stop", 0)
+
+
+def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
+    return Sample(
+        token_ids=trajectory.token_ids,
+        loss_mask=trajectory.loss_mask,
+        advantage=advantage,
+        engine_logprobs=trajectory.engine_logprobs,
+        group_id=trajectory.task_id,
+    )
+
+
+class TaskStream:
+    """An endless, seeded stream of train tasks (a fresh shuffle per epoch) that counts its draws."""
+
+    def __init__(self, tasks: list[Task], seed: int, skip: int = 0, pending: Sequence[str] = ()) -> None:
+        self._by_id = {t.id: t for t in tasks}
+        self._pending = [self._by_id[i] for i in pending]
+        self._order = self._epochs(tasks, seed)
+        self.drawn = 0
+        for _ in range(skip):
+            next(self)
+
+    @staticmethod
+    def _epochs(tasks: list[Task], seed: int) -> Iterator[Task]:
+        for epoch in itertools.count():
+            order = list(tasks)
+            random.Random(seed * 100_003 + epoch).shuffle(order)
+            yield from order
+
+    def __iter__(self) -> TaskStream:
+        return self
+
+    def __next__(self) -> Task:
+        if self._pending:
+            return self._pending.pop(0)
+        self.drawn += 1
+        return next(self._order)
+
+
+class Pipeline:
+    """One run; see the module docstring."""
+
+    def __init__(self, config: RunConfig, *, console: Console | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.console = console or Console()
+        self.state_path = self.run_dir / STATE_FILE
+        self.state: dict[str, Any] = {"stages_done": [], "grpo_step": 0, "version": 0, "tasks_drawn": 0, "pending": []}
+        self.results: dict[str, dict[str, float]] = {}
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _model_path(self) -> Path:
+        cfg = self.config.model
+        if cfg.path:
+            return Path(cfg.path)
+        path = self.run_dir / "model-init"
+        if not (path / "config.json").exists():
+            from patchgym.models.tiny import init_tiny_model
+
+            init_tiny_model(path, seed=self.config.seed, **(cfg.init_tiny or {}))
+        return path
+
+    def _sinks(self) -> list[Sink]:
+        sinks: list[Sink] = []
+        if self.config.metrics.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+        if self.config.metrics.wandb_project:
+            sinks.append(
+                WandbSink(self.run_dir, self.config.metrics.wandb_project, mode=self.config.metrics.wandb_mode)
+            )
+        return sinks
+
+    async def _setup(self, resume: bool) -> None:
+        from transformers import AutoTokenizer
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume and self.state_path.exists():
+            self.state.update(json.loads(self.state_path.read_text()))
+        self.log = EventLog(self.run_dir, self._sinks())
+        self.log.emit("run", event="resume" if resume else "start", config=self.config.model_dump(), state=self.state)
+        model_path = self._model_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        reg = registry()
+        c = self.config
+        self.train_tasks: TaskSet = reg.create("task_set", c.tasks.train.name, **c.tasks.train.options)
+        self.eval_tasks: TaskSet = reg.create("task_set", c.tasks.eval.name, **c.tasks.eval.options)
+        self.backend = reg.create("sandbox", c.sandbox.name, **c.sandbox.options)
+        self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
+        self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
+        checkpoint = self.run_dir / "checkpoints" / "latest"
+        if resume and checkpoint.exists():
+            await self.trainer.load(checkpoint)
+            await self._sync_weights(self.state["version"])
+
+    async def aclose(self) -> None:
+        for part in (self.engine, self.trainer, self.backend):
+            await part.aclose()
+        self.log.close()
+
+    # -- shared pieces ---------------------------------------------------------------------
+    async def _episode(self, task: Task, engine: Any, agent: AgentConfig) -> Trajectory:
+        env = AsyncSWEEnv(self.train_tasks, self.backend, config=self.config.env)
+        try:
+            return await run_agent(env, engine, self.tokenizer, task, agent)
+        finally:
+            await env.close()
+
+    async def _sync_weights(self, version: int) -> float:
+        started = time.perf_counter()
+        weights = await self.trainer.weights()
+        await self.engine.pause()
+        try:
+            await self.engine.update_weights(weights.state_dict, version=version)
+        finally:
+            await self.engine.resume()
+        return time.perf_counter() - started
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        tmp.replace(self.state_path)
+
+    async def _checkpoint(self) -> None:
+        staging = self.run_dir / "checkpoints" / "staging"
+        await self.trainer.save(staging)
+        latest = self.run_dir / "checkpoints" / "latest"
+        if latest.exists():
+            old = latest.with_name("previous")
+            if old.exists():
+                await asyncio.to_thread(shutil.rmtree, old)
+            latest.rename(old)
+        staging.rename(latest)
+        self._save_state()
+
+    def _stage_done(self, stage: str) -> None:
+        self.state["stages_done"].append(stage)
+        self._save_state()
+
+    # -- stages ------------------------------------------------------------------------------
+    async def evaluate(self, stage: str) -> dict[str, float]:
+        c = self.config.eval
+        tasks = list(self.eval_tasks)[: c.limit]
+        agent = self.config.agent.model_copy(update={"temperature": c.temperature})
+        gate = asyncio.Semaphore(c.concurrency)
+        with _progress(self.console) as progress:
+            bar = progress.add_task(f"eval ({stage})", total=len(tasks) * c.attempts)
+
+            async def attempt(task: Task) -> Trajectory:
+                async with gate:
+                    trajectory = await self._episode(task, self.engine, agent)
+                progress.advance(bar)
+                return trajectory
+
+            runs = await asyncio.gather(*(attempt(t) for t in tasks for _ in range(c.attempts)))
+        per_task: dict[str, list[float]] = {}
+        for trajectory in runs:
+            self.log.emit("trajectory", stage=f"eval-{stage}", **describe(trajectory))
+            if trajectory.trainable:
+                per_task.setdefault(trajectory.task_id, []).append(trajectory.reward or 0.0)
+        scored = [rewards for rewards in per_task.values() if rewards]
+        result = {
+            "pass_at_1": sum(sum(r) / len(r) for r in scored) / len(scored) if scored else 0.0,
+            "pass_at_k": sum(any(r) for r in scored) / len(scored) if scored else 0.0,
+            "k": c.attempts,
+            "tasks": len(scored),
+            "infra_errors": sum(1 for t in runs if t.infra_error),
+        }
+        self.log.emit("eval", stage=stage, step=self.state["grpo_step"], **result)
+        self.results[stage] = result
+        return result
+
+    async def sft(self) -> None:
+        cfg = self.config.sft
+        tasks = list(self.train_tasks)
+        turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        with _progress(self.console) as progress:
+            bar = progress.add_task("sft traces", total=len(tasks))
+
+            async def trace(task: Task) -> Trajectory:
+                trajectory = await self._episode(task, OraclePolicy(self.tokenizer, task, turn_end), self.config.agent)
+                progress.advance(bar)
+                return trajectory
+
+            traces = await asyncio.gather(*(trace(t) for t in tasks))
+        samples = [to_sample(t) for t in traces if t.reward == 1.0]
+        self.log.emit("sft_traces", made=len(traces), kept=len(samples))
+        rng = random.Random(self.config.seed)
+        steps = 0
+        with _progress(self.console) as progress:
+            per_epoch = -(-len(samples) // cfg.batch_size)
+            bar = progress.add_task("sft", total=per_epoch * cfg.epochs)
+            for _ in range(cfg.epochs):
+                rng.shuffle(samples)
+                for start in range(0, len(samples), cfg.batch_size):
+                    metrics = await self.trainer.train_step(
+                        TrainBatch(samples[start : start + cfg.batch_size]), SFTLoss()
+                    )
+                    steps += 1
+                    self.log.emit("sft_step", step=steps, **metrics)
+                    progress.advance(bar)
+        self.state["version"] += 1
+        await self._sync_weights(self.state["version"])
+
+    async def grpo(self) -> None:
+        cfg = self.config.grpo
+        stream = TaskStream(list(self.train_tasks), self.config.seed, self.state["tasks_drawn"], self.state["pending"])
+        engine, agent = self.engine, self.config.agent
+        manager = RolloutManager(stream, lambda task: self._episode(task, engine, agent), cfg.rollout)
+        manager.version = self.state["version"]
+        loss = GRPOLoss(cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.tis_cap)
+        try:
+            with _progress(self.console) as progress:
+                bar = progress.add_task("grpo", total=cfg.steps, completed=self.state["grpo_step"])
+                while self.state["grpo_step"] < cfg.steps:
+                    batch = await manager.next_batch()
+                    if batch is None:
+                        break
+                    await self._train_on(batch, loss, manager, stream)
+                    progress.advance(bar)
+        finally:
+            await manager.aclose()
+
+    async def _train_on(self, batch: Batch, loss: GRPOLoss, manager: RolloutManager, stream: TaskStream) -> None:
+        samples = []
+        for group in batch.groups:
+            advantages = group_advantages(group.rewards, normalize_std=self.config.grpo.loss.normalize_std)
+            samples += [to_sample(t, a or 0.0) for t, a in zip(group.members, advantages, strict=True)]
+            for trajectory in [*group.members, *group.excluded]:
+                self.log.emit("trajectory", stage="grpo", step=self.state["grpo_step"] + 1, **describe(trajectory))
+        started = time.perf_counter()
+        metrics = await self.trainer.train_step(TrainBatch(samples), loss)
+        actor_s = time.perf_counter() - started
+        self.state["version"] += 1
+        sync_s = await self._sync_weights(self.state["version"])
+        manager.publish(self.state["version"])
+        self.state["grpo_step"] += 1
+        trajectories = [t for g in batch.groups for t in g.members]
+        self.log.emit(
+            "step",
+            step=self.state["grpo_step"],
+            timings={
+                "actor_update_s": actor_s,
+                "rollout_wait_s": batch.metrics["rollout_wait_s"],
+                "logprob_recompute_s": 0.0,
+                "weight_sync_s": sync_s,
+            },
+            response_length_mean=sum(sum(t.loss_mask) for t in trajectories) / len(trajectories),
+            turn_cap_share=sum(t.termination == "max_turns" for t in trajectories) / len(trajectories),
+            trainer=metrics,
+            **{k: v for k, v in batch.metrics.items() if k != "rollout_wait_s"},
+        )
+        if (
+            self.state["grpo_step"] % self.config.checkpoint_every == 0
+            or self.state["grpo_step"] == self.config.grpo.steps
+        ):
+            self.state["tasks_drawn"] = stream.drawn
+            self.state["pending"] = [g.task.id for g in manager.pending_groups()]
+            await self._checkpoint()
+
+    # -- the whole run -----------------------------------------------------------------------
+    async def run(self, *, resume: bool = False) -> dict[str, dict[str, float]]:
+        await self._setup(resume)
+        try:
+            done = self.state["stages_done"]
+            if "eval-base" not in done:
+                await self.evaluate("base")
+                self._stage_done("eval-base")
+            if self.config.sft.enabled and "sft" not in done:
+                await self.sft()
+                await self._checkpoint()
+                self._stage_done("sft")
+            if self.config.sft.enabled and "eval-sft" not in done:
+                await self.evaluate("sft")
+                self._stage_done("eval-sft")
+            if self.config.grpo.enabled and "grpo" not in done:
+                await self.grpo()
+                self._stage_done("grpo")
+            if self.config.grpo.enabled and "eval-grpo" not in done:
+                await self.evaluate("grpo")
+                self._stage_done("eval-grpo")
+            self.log.emit("run", event="end", results=self.results)
+        finally:
+            await self.aclose()
+        self._print_results()
+        return self.results
+
+    def _print_results(self) -> None:
+        table = Table("stage", "pass@1", "pass@k", "tasks", title=f"held-out evaluation ({self.run_dir})")
+        for stage, result in self.results.items():
+            table.add_row(stage, f"{result['pass_at_1']:.1%}", f"{result['pass_at_k']:.1%}", str(result["tasks"]))
+        self.console.print(table)
