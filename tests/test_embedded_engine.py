@@ -192,3 +192,22 @@ async def test_registered_as_inference_backend(tiny_model_dir: Path) -> None:
         EmbeddedEngine(tiny_model_dir, max_context=10**6)
     with pytest.raises(ConfigError, match="config.json"):
         EmbeddedEngine(tiny_model_dir / "nope")
+
+
+async def test_the_event_loop_keeps_running_while_the_model_works(engine: EmbeddedEngine) -> None:
+    gaps: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def ticker() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.create_task(ticker())
+    params = SamplingParams(max_new_tokens=200, temperature=0)
+    await asyncio.gather(*(engine.generate(prompt, params) for prompt in PROMPTS[:8]))
+    ticking.cancel()
+    assert len(gaps) > 10 and max(gaps) < 1.0  # the model never holds the loop (a step is milliseconds)
