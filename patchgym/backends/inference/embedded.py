@@ -91,6 +91,9 @@ class _Batch:
     """The running requests and their shared, left-padded KV cache."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
         self.requests: list[_Request] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L]: 1 where the cache holds a real token
@@ -132,7 +135,7 @@ class _Batch:
             return
         self.requests = [self.requests[i] for i in keep]
         if not keep:
-            self.__init__()  # type: ignore[misc]
+            self.clear()
             return
         rows = torch.tensor(keep)
         self.mask, self.next_token, self.position = self.mask[rows], self.next_token[rows], self.position[rows]
