@@ -84,7 +84,9 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(args.model) if args.model else init_tiny_model(Path(scratch) / "tiny")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        engine = EmbeddedEngine(model_dir, max_context=args.prompt_tokens + args.new_tokens + 8, max_batch_size=32)
+        engine = EmbeddedEngine(
+            model_dir, max_context=args.prompt_tokens + args.new_tokens + 8, max_batch_size=32, stop_at_eos=False
+        )
         vocab = int(model.config.vocab_size)
         console.print(f"model {model_dir}; engine settings {engine.settings()}")
         table = Table(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from functools import wraps
@@ -312,6 +313,38 @@ def model_init_tiny(
         raise ConfigError(f"init-tiny needs the train extra: pip install 'patchgym[train]' ({exc})") from exc
     path = init_tiny_model(directory, seed=seed)
     console.print(f"wrote a tiny Qwen3 model to {escape(str(path))}")
+
+
+@model_app.command("serve")
+@friendly_errors
+def model_serve(
+    directory: Annotated[Path, typer.Argument(help="a Hugging Face model folder (e.g. from init-tiny)")],
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port on 127.0.0.1 (0: any free port)")] = 8000,
+    max_context: Annotated[int, typer.Option(min=2, help="hard cap on prompt + reply tokens")] = 4096,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="requests decoded together")] = 32,
+) -> None:
+    """Serve a local model with the embedded engine as an OpenAI-compatible API on 127.0.0.1."""
+    from patchgym.backends.inference.openai_server import ChatCompletionsServer, EngineChatHandler
+
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise ConfigError(f"serve needs the train extra: pip install 'patchgym[train]' ({exc})") from exc
+    engine = registry().create(
+        "inference", "embedded", model=str(directory), max_context=max_context, max_batch_size=max_batch_size
+    )
+    handler = EngineChatHandler(engine, AutoTokenizer.from_pretrained(directory), model_name=directory.name)
+
+    async def serve() -> None:
+        async with ChatCompletionsServer(handler, model_name=directory.name, port=port) as server:
+            console.print(f"serving {escape(str(directory))} at {server.url} (Ctrl-C stops)", highlight=False)
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await engine.aclose()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
 
 
 @app.command("eval")

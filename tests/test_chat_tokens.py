@@ -59,6 +59,8 @@ def test_appended_tokens_equal_the_template_rendering(tokenizer: Any) -> None:
         assert chat.logprobs[turn.start : turn.end] == [-0.5] * (turn.end - turn.start)
     assert sum(chat.loss_mask) == sum(turn.end - turn.start for turn in chat.turns)
     assert chat.loss_mask[: chat.prompt_length] == [0] * chat.prompt_length
+    record = chat.as_dict()
+    assert record["token_ids"] == chat.token_ids and [t["policy_version"] for t in record["turns"]] == [0, 1, 2, 3]
 
 
 def test_a_cut_off_turn_is_closed_with_an_unmasked_turn_end(tokenizer: Any) -> None:

@@ -27,7 +27,7 @@ PROMPTS = [[1, 40 + i, 7, 300 + 3 * i] + list(range(100, 100 + 2 * i)) for i in 
 
 @pytest.fixture
 async def engine(tiny_model_dir: Path) -> AsyncIterator[EmbeddedEngine]:
-    engine = EmbeddedEngine(tiny_model_dir, max_context=256, max_batch_size=8)
+    engine = EmbeddedEngine(tiny_model_dir, max_context=256, max_batch_size=8, stop_at_eos=False)
     yield engine
     await engine.aclose()
 
@@ -148,7 +148,7 @@ async def test_pause_holds_requests_until_resume(engine: EmbeddedEngine) -> None
 
 
 async def test_cancel_and_close_abort_requests(tiny_model_dir: Path) -> None:
-    engine = EmbeddedEngine(tiny_model_dir, max_context=1024)
+    engine = EmbeddedEngine(tiny_model_dir, max_context=1024, stop_at_eos=False)
     cancelled = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=900, temperature=0)))
     while engine._steps < 2:
         await asyncio.sleep(0.001)
@@ -181,14 +181,53 @@ async def test_bad_requests_are_clear_errors(engine: EmbeddedEngine) -> None:
 
 
 async def test_registered_as_inference_backend(tiny_model_dir: Path) -> None:
-    engine = registry().create("inference", "embedded", model=str(tiny_model_dir), max_context=128, max_batch_size=4)
+    engine = registry().create(
+        "inference", "embedded", model=str(tiny_model_dir), max_context=128, max_batch_size=4, stop_at_eos=False
+    )
     try:
         assert isinstance(engine, InferenceEngine)
         assert engine.settings()["max_context"] == 128 and engine.settings()["max_batch_size"] == 4
         assert (await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))).finish_reason == "length"
     finally:
         await engine.aclose()
+    default = EmbeddedEngine(tiny_model_dir, max_context=128)
+    assert default.settings()["stop_at_eos_ids"] == [0, 2]  # <|endoftext|>, <|im_end|> from generation_config
+    await default.aclose()
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         EmbeddedEngine(tiny_model_dir, max_context=10**6)
     with pytest.raises(ConfigError, match="config.json"):
         EmbeddedEngine(tiny_model_dir / "nope")
+
+
+async def test_the_event_loop_keeps_running_while_the_model_works(engine: EmbeddedEngine) -> None:
+    gaps: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def ticker() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.create_task(ticker())
+    params = SamplingParams(max_new_tokens=200, temperature=0)
+    await asyncio.gather(*(engine.generate(prompt, params) for prompt in PROMPTS[:8]))
+    ticking.cancel()
+    assert len(gaps) > 10 and max(gaps) < 1.0  # the model never holds the loop (a step is milliseconds)
+
+
+async def test_eos_stops_by_default(tiny_model_dir: Path, engine: EmbeddedEngine) -> None:
+    """By default a request ends at the model's EOS (generation_config), like SGLang and `generate`."""
+    free = await engine.generate(PROMPTS[2], GREEDY)
+    eos = free.token_ids[6]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.generation_config.eos_token_id = [eos]
+    stopping = EmbeddedEngine(model, max_context=256)
+    try:
+        stopped = await stopping.generate(PROMPTS[2], GREEDY)
+    finally:
+        await stopping.aclose()
+    first = list(free.token_ids).index(eos)
+    assert stopped.finish_reason == "stop" and list(stopped.token_ids) == list(free.token_ids[: first + 1])

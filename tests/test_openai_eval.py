@@ -168,3 +168,39 @@ def test_cli_eval(threaded_gold_server: str, tmp_path: Path) -> None:
     assert len(json.loads(out.read_text())["trajectories"]) == 2
     bad = CliRunner().invoke(app, ["eval", "--model-url", "localhost:1", "--task-set", "tiny"])
     assert bad.exit_code == 2 and "http://" in bad.output
+
+
+async def test_cli_model_serve(tiny_model_dir: Path) -> None:
+    """`patchgym model serve` answers chat completions until interrupted."""
+    import os
+    import re
+    import signal
+    import sys
+
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "patchgym.cli",
+        "model",
+        "serve",
+        str(tiny_model_dir),
+        "--port",
+        "0",
+        "--max-context",
+        "512",
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), timeout=120)).decode()
+        url = re.search(r"http://127\.0\.0\.1:\d+/v1", line)
+        assert url, line
+        model = OpenAIChatModel(url.group(0), max_tokens=5)
+        reply = await model.complete(HELLO)
+        await model.aclose()
+        assert model.model == tiny_model_dir.name and reply.completion_tokens is not None
+        assert reply.completion_tokens <= 5
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), timeout=30) == 0

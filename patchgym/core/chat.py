@@ -102,6 +102,16 @@ class TokenChat:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The trainer's view: tokens, loss mask, log-probs, prompt length and every turn's span and version."""
+        return {
+            "token_ids": list(self.token_ids),
+            "loss_mask": list(self.loss_mask),
+            "logprobs": list(self.logprobs),
+            "prompt_length": self.prompt_length,
+            "turns": [vars(turn).copy() for turn in self.turns],
+        }
+
     def add_generation(self, generation: Generation) -> str:
         """Append the engine's sampled tokens (mask 1) and return the assistant message's text."""
         if self.turns and self._awaiting_observation:

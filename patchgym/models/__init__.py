@@ -1,0 +1,1 @@
+"""Model factories (tiny random models for tests and quickstarts)."""

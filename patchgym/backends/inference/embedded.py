@@ -91,6 +91,9 @@ class _Batch:
     """The running requests and their shared, left-padded KV cache."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
         self.requests: list[_Request] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L]: 1 where the cache holds a real token
@@ -132,7 +135,7 @@ class _Batch:
             return
         self.requests = [self.requests[i] for i in keep]
         if not keep:
-            self.__init__()  # type: ignore[misc]
+            self.clear()
             return
         rows = torch.tensor(keep)
         self.mask, self.next_token, self.position = self.mask[rows], self.next_token[rows], self.position[rows]
@@ -163,7 +166,10 @@ class EmbeddedEngine:
         dtype: str = "float32",
         seed: int = 0,
         weight_version: int = 0,
+        stop_at_eos: bool = True,
     ) -> None:
+        """`model`: a folder, or a loaded model (used as is, not copied). `stop_at_eos`: also stop every
+        request at the model's EOS tokens (generation_config), as SGLang and `generate` do."""
         if dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
         if max_batch_size < 1 or max_context < 2:
@@ -190,6 +196,7 @@ class EmbeddedEngine:
         self.weight_version = weight_version
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._seed = seed
+        self.eos_token_ids = _eos_ids(self.model) if stop_at_eos else frozenset()
         self._waiting: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -209,6 +216,7 @@ class EmbeddedEngine:
             "device": str(self.device),
             "dtype": self.dtype,
             "seed": self._seed,
+            "stop_at_eos_ids": sorted(self.eos_token_ids),
             "torch_threads": torch.get_num_threads(),
         }
 
@@ -399,7 +407,7 @@ class EmbeddedEngine:
         batch.keep(keep)
 
     def _finish_reason(self, request: _Request) -> FinishReason | None:
-        if request.tokens[-1] in request.params.stop_token_ids:
+        if request.tokens[-1] in request.params.stop_token_ids or request.tokens[-1] in self.eos_token_ids:
             return "stop"
         if len(request.tokens) >= request.params.max_new_tokens:
             return "length"
@@ -433,6 +441,14 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     outside = ordered.cumsum(0) - ordered >= top_p
     ordered[outside] = 0.0
     return torch.zeros_like(probs).scatter(0, order, ordered)
+
+
+def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
 
 def _copy_weights(model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> None:
