@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from patchgym.core.actions import SUBMIT_SENTINEL
-from patchgym.core.errors import PatchgymError
+from patchgym.core.errors import ConfigError, PatchgymError
 from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
@@ -35,6 +35,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 TaskSetArg = Annotated[str, typer.Argument(help="a task set name (see `patchgym plugins`) or a folder of tasks")]
 SandboxOpt = Annotated[str, typer.Option("--sandbox", help="sandbox backend name")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+TaskOptionsOpt = Annotated[
+    list[str] | None,
+    typer.Option("--option", "-o", help="KEY=VALUE option for the task set, e.g. -o path=data.jsonl (repeatable)"),
+]
 
 
 def friendly_errors(fn: F) -> F:
@@ -51,10 +55,22 @@ def friendly_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def load_task_set(name: str) -> TaskSet:
+def parse_options(items: list[str] | None) -> dict[str, str]:
+    """`["k=v", ...]` as a dict; an item without `=` is a `ConfigError`."""
+    options: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"task set option {item!r} is not KEY=VALUE")
+        options[key.strip()] = value
+    return options
+
+
+def load_task_set(name: str, options: list[str] | None = None) -> TaskSet:
+    parsed = parse_options(options)
     if Path(name).is_dir():
-        return registry().create("task_set", "folder", path=name)
-    return registry().create("task_set", name)
+        return registry().create("task_set", "folder", path=name, **parsed)
+    return registry().create("task_set", name, **parsed)
 
 
 @app.command()
@@ -81,9 +97,9 @@ def plugins(as_json: JsonOpt = False) -> None:
 
 @tasks_app.command("list")
 @friendly_errors
-def tasks_list(task_set: TaskSetArg, as_json: JsonOpt = False) -> None:
+def tasks_list(task_set: TaskSetArg, option: TaskOptionsOpt = None, as_json: JsonOpt = False) -> None:
     """List the tasks of a task set."""
-    tasks = list(load_task_set(task_set))
+    tasks = list(load_task_set(task_set, option))
     rows = [
         {"id": t.id, "title": t.instruction.strip().splitlines()[0].lstrip("# ") if t.instruction.strip() else ""}
         for t in tasks
@@ -120,12 +136,13 @@ async def _validate_all(tasks: list[Task], backend: SandboxBackend, concurrency:
 def tasks_validate(
     task_set: TaskSetArg,
     sandbox: SandboxOpt = "local",
+    option: TaskOptionsOpt = None,
     limit: Annotated[int | None, typer.Option(min=1, help="validate only the first N tasks")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="tasks validated at once")] = 4,
     as_json: JsonOpt = False,
 ) -> None:
     """Check every task: its gold patch must earn reward 1 and the empty patch reward 0."""
-    tasks = list(load_task_set(task_set))[:limit]
+    tasks = list(load_task_set(task_set, option))[:limit]
     backend = registry().create("sandbox", sandbox)
     results = asyncio.run(_validate_all(tasks, backend, concurrency))
     invalid = [r for r in results if not r.valid]
@@ -154,11 +171,11 @@ def tasks_validate(
 
 @env_app.command("play")
 @friendly_errors
-def env_play(task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local") -> None:
+def env_play(task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local", option: TaskOptionsOpt = None) -> None:
     """Be the agent: type bash commands, see what the agent would see. `submit` ends and grades."""
     from patchgym.envs.swe import SWEEnv
 
-    env = SWEEnv(load_task_set(task_set), sandbox)
+    env = SWEEnv(load_task_set(task_set, option), sandbox)
     try:
         observation, info = env.reset(options={"task": task_id})
         console.print(info["system_prompt"], style="dim", markup=False, highlight=False)

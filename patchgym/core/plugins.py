@@ -32,6 +32,9 @@ PLUGIN_API_VERSION = 1
 BUILTIN_PLUGINS = {
     "builtin-sandboxes": "patchgym.backends.sandbox.plugin",
     "builtin-tasks": "patchgym.plugins.folder",
+    "builtin-swebench": "patchgym.plugins.swebench",
+    "builtin-swesmith": "patchgym.plugins.swesmith",
+    "builtin-harbor": "patchgym.plugins.harbor",
 }
 
 Kind = Literal["task_set", "sandbox", "inference", "trainer"]
