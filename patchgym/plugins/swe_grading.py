@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from patchgym.core.errors import ConfigError
 from patchgym.core.grading import resolve
 from patchgym.core.sandbox import Sandbox
 from patchgym.core.tasks import Grade, Grader, TestStatus
@@ -43,19 +44,31 @@ def swebench_available() -> bool:
     return True
 
 
+SWEBENCH_PARSER_MODULES = ("python", "javascript", "go", "java", "rust", "ruby", "php", "c")
+
+
 @cache
 def _swebench_parser(name: str, repo: str) -> Callable[..., StatusMap]:
+    if not swebench_available():
+        raise ConfigError(f"log parser {name!r} needs the swebench package: pip install 'patchgym[swebench]'")
     from swebench.harness import log_parsers
 
     if name == "swebench":
         parser = log_parsers.MAP_REPO_TO_PARSER.get(repo)
         if parser is None:
-            raise KeyError(f"swebench has no log parser for repository {repo!r}; name one with log_parser")
+            raise ConfigError(f"swebench has no log parser for repository {repo!r}; name one with log_parser")
         return parser
-    parser = getattr(log_parsers, name, None)
-    if not callable(parser):
-        raise KeyError(f"unknown log parser {name!r}: use pytest, unittest, swebench or a swebench parse_log_* name")
-    return parser
+    for module in SWEBENCH_PARSER_MODULES:
+        parser = getattr(getattr(log_parsers, module, None), name, None)
+        if name.startswith("parse_log_") and callable(parser):
+            return parser
+    raise ConfigError(f"unknown log parser {name!r}: use pytest, unittest, swebench or a swebench parse_log_* name")
+
+
+def check_log_parser(name: str, repo: str) -> None:
+    """Raise `ConfigError` now if `name` cannot parse logs of `repo`."""
+    if name not in LOG_PARSERS:
+        _swebench_parser(name, repo)
 
 
 def _test_spec(instance_id: str, repo: str, version: str, f2p: list[str], p2p: list[str]) -> Any:
@@ -146,6 +159,9 @@ class SWELogGrader(Grader):
     log_parser: str = "swebench"
     timeout_s: float = 1800.0
     max_log_bytes: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        check_log_parser(self.log_parser, self.repo)
 
     async def grade(self, sandbox: Sandbox) -> Grade:
         started = time.perf_counter()
