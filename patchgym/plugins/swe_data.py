@@ -67,7 +67,7 @@ def _read_hub(name: str, split: str) -> list[dict[str, Any]]:  # pragma: no cove
         raise ConfigError(f"cannot load dataset {name!r} (split {split!r}) from the hub: {exc}") from exc
 
 
-def test_list(value: Any, field: str, instance_id: str) -> list[str]:
+def listed_tests(value: Any, field: str, instance_id: str) -> list[str]:
     """FAIL_TO_PASS / PASS_TO_PASS as a list, whether stored as a list or a JSON string."""
     if value is None:
         return []

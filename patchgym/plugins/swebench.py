@@ -22,12 +22,12 @@ from patchgym.core.sandbox import SandboxSpec
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.plugins.swe_data import (
     LIST_FIELDS,
+    listed_tests,
     load_rows,
     patch_files,
     require,
     stratified_subset,
     swebench_image,
-    test_list,
 )
 from patchgym.plugins.swe_grading import SWELogGrader, swebench_available
 
@@ -162,7 +162,7 @@ class SWEBenchTaskSet(TaskSet):
         """The task for one instance row."""
         require(row, REQUIRED_FIELDS, self.path)
         instance_id = row["instance_id"]
-        f2p, p2p = (test_list(row.get(field), field, instance_id) for field in LIST_FIELDS)
+        f2p, p2p = (listed_tests(row.get(field), field, instance_id) for field in LIST_FIELDS)
         if not f2p:
             raise ConfigError(f"instance {instance_id!r} has an empty FAIL_TO_PASS: nothing could show a fix")
         steps, command = self._environment(row)

@@ -26,7 +26,7 @@ from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
 from patchgym.core.tasks import Task
 from patchgym.core.validation import PATCH_DELIMITER
-from patchgym.plugins.swe_data import LIST_FIELDS, require, swesmith_image, test_list
+from patchgym.plugins.swe_data import LIST_FIELDS, listed_tests, require, swesmith_image
 from patchgym.plugins.swe_grading import SAFE_GIT, SWELogGrader
 from patchgym.plugins.swebench import SWEBenchTaskSet
 
@@ -92,7 +92,7 @@ class SWESmithTaskSet(SWEBenchTaskSet):
     def task(self, row: Mapping[str, Any]) -> Task:
         require(row, REQUIRED_FIELDS, self.path)
         instance_id = row["instance_id"]
-        f2p, p2p = (test_list(row.get(field), field, instance_id) for field in LIST_FIELDS)
+        f2p, p2p = (listed_tests(row.get(field), field, instance_id) for field in LIST_FIELDS)
         if not f2p:
             raise ConfigError(f"instance {instance_id!r} has an empty FAIL_TO_PASS: nothing could show a fix")
         hidden = sorted({name.split("::")[0] for name in f2p if "::" in name})
