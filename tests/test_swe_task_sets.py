@@ -325,3 +325,54 @@ def test_printed_passes_with_a_failing_exit_code_are_a_mismatch() -> None:
     assert grader.judge_log(forged, 1).details["reason"] == "exit_code_mismatch"
     assert grader.judge_log(forged, None, timed_out=True).details["reason"] == "tests_timed_out"
     assert grader.judge_log("no tests here\n", 0).details["reason"] == "no_test_results"
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def test_cli_passes_task_set_options(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from patchgym.cli import app
+
+    repos, row = swebench_fixture(tmp_path)
+    data = write_rows(tmp_path / "rows.json", [row])
+    options = ["-o", f"path={data}", "-o", f"repos_dir={repos}", "-o", "activate=", "-o", "reinstall=false"]
+    listed = CliRunner().invoke(app, ["tasks", "list", "swebench", *options, "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.output)[0]["id"] == "fixture__calc-1"
+    validated = CliRunner().invoke(app, ["tasks", "validate", "swebench", *options, "--sandbox", "local", "--json"])
+    assert validated.exit_code == 0, validated.output
+    assert json.loads(validated.output)["tasks"][0]["gold_reward"] == 1.0
+    bad = CliRunner().invoke(app, ["tasks", "list", "swebench", "-o", "path"])
+    assert bad.exit_code == 2 and "KEY=VALUE" in bad.output
+    unknown = CliRunner().invoke(app, ["tasks", "list", "swebench", "-o", f"path={data}", "-o", "colour=red"])
+    assert unknown.exit_code == 2 and "colour" in unknown.output
+
+
+async def test_validation_names_why_a_task_is_invalid(tmp_path: Path) -> None:
+    backend = make_backend("local-none", tmp_path)
+    repos, row = swebench_fixture(tmp_path)
+    row["patch"] = row["patch"].replace("a + b", "a + b + 1")  # a "fix" that does not fix
+    (task,) = SWEBenchTaskSet(write_rows(tmp_path / "rows.json", [row]), repos_dir=str(repos), **FIXTURE_OPTIONS)
+    report = await validate_task(backend, task)
+    assert report.problems == ["gold patch got reward 0.0, expected 1.0 (tests_failed)"]
+    # a SWE-smith "bug" that breaks no test: the empty patch already passes (free reward)
+    repos, row = swesmith_fixture(tmp_path / "smith")
+    row["patch"] = row["patch"].replace("-    return a + b\n+    return a - b", "-    return a + b\n+    return b + a")
+    (task,) = SWESmithTaskSet(write_rows(tmp_path / "smith.json", [row]), repos_dir=str(repos), activate="")
+    report = await validate_task(backend, task)
+    assert report.problems == ["empty patch got reward 1.0, expected 0.0 (resolved)"]
+    await backend.aclose()
+
+
+def test_importing_swebench_leaves_logging_alone() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\nfrom patchgym.plugins.swe_grading import swebench_available\n"
+        "assert swebench_available()\nprint(len(logging.getLogger().handlers))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "0"

@@ -15,6 +15,7 @@ fsmonitor disabled. An agent that replaces git or the interpreter is not defende
 
 from __future__ import annotations
 
+import logging
 import shlex
 import time
 from collections.abc import Callable, Mapping
@@ -36,11 +37,20 @@ SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
 StatusMap = dict[str, str]
 
 
+@cache
 def swebench_available() -> bool:
+    """Whether the `swebench` package imports; the import leaves the root logger as it was
+    (swebench calls `logging.basicConfig` on import)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
         import swebench.harness.grading  # noqa: F401
+        import swebench.harness.log_parsers  # noqa: F401
+        import swebench.harness.test_spec.python  # noqa: F401
     except ImportError:
         return False
+    finally:
+        root.handlers[:], root.level = handlers, level
     return True
 
 
@@ -94,8 +104,8 @@ def parse_log(log: str, parser: str, *, repo: str = "", instance_id: str = "", v
     """`{test: status}` from a test log with the named parser (see `SWELogGrader.log_parser`)."""
     if parser in LOG_PARSERS:
         return {name: str(status) for name, status in LOG_PARSERS[parser](log).items()}
-    spec = _test_spec(instance_id, repo, version, [], [])
-    return dict(_swebench_parser(parser, repo)(log, spec))
+    parse = _swebench_parser(parser, repo)
+    return dict(parse(log, _test_spec(instance_id, repo, version, [], [])))
 
 
 def judge(status_map: Mapping[str, str], f2p: list[str], p2p: list[str]) -> tuple[str, dict[str, Any]]:
