@@ -216,9 +216,10 @@ async def test_swesmith_validate_hides_and_restores_tests(
     report = await validate_task(backend, task)
     assert report.valid, report.problems
     async with await start_task_sandbox(backend, task) as sandbox:
-        visible = await sandbox.exec("ls tests; git status --porcelain; git log --format=%s", timeout_s=30)
-        assert "test_add.py" not in visible.stdout and "test_mul.py" in visible.stdout
-        assert visible.stdout.split()[-3:] == ["hide", "failing", "tests"] or "hide failing tests" in visible.stdout
+        listing = await sandbox.exec("ls tests", timeout_s=30)
+        assert "test_add.py" not in listing.stdout and "test_mul.py" in listing.stdout
+        history = await sandbox.exec("git status --porcelain; git log --format=%s", timeout_s=30)
+        assert history.stdout == "hide failing tests\nbug\nsnapshot\n"  # clean tree: `git diff` shows only the agent
         # the agent recreates the hidden test as a trivial pass: restoration brings back the real one
         await sandbox.write_file("tests/test_add.py", "def test_add():\n    pass\n")
         grade = await task.grader.grade(sandbox)

@@ -10,7 +10,9 @@ workspace, runs the test command, and records its exit code. The log is parsed w
 
 Forgery defences beyond restoration: a non-zero exit with no failing test in the log is
 `exit_code_mismatch` (printed PASSED lines cannot hide a failing run), git runs with hooks and
-fsmonitor disabled. An agent that replaces git or the interpreter is not defended against.
+fsmonitor disabled. Not defended against: an agent that replaces git or the interpreter, or
+that loads a forging pytest plugin through `addopts` in `setup.cfg`/`pyproject.toml` (those
+files are not restored, since real fixes may change them).
 """
 
 from __future__ import annotations
