@@ -60,6 +60,10 @@ def make_sandbox(name: str, options: list[str] | None) -> SandboxBackend:
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+TaskOptionsOpt = Annotated[
+    list[str] | None,
+    typer.Option("--option", "-o", help="KEY=VALUE option for the task set, e.g. -o path=data.jsonl (repeatable)"),
+]
 
 
 def friendly_errors(fn: F) -> F:
@@ -76,10 +80,11 @@ def friendly_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def load_task_set(name: str) -> TaskSet:
+def load_task_set(name: str, options: list[str] | None = None) -> TaskSet:
+    parsed = parse_options(options)
     if Path(name).is_dir():
-        return registry().create("task_set", "folder", path=name)
-    return registry().create("task_set", name)
+        return registry().create("task_set", "folder", path=name, **parsed)
+    return registry().create("task_set", name, **parsed)
 
 
 @app.command()
@@ -106,9 +111,9 @@ def plugins(as_json: JsonOpt = False) -> None:
 
 @tasks_app.command("list")
 @friendly_errors
-def tasks_list(task_set: TaskSetArg, as_json: JsonOpt = False) -> None:
+def tasks_list(task_set: TaskSetArg, option: TaskOptionsOpt = None, as_json: JsonOpt = False) -> None:
     """List the tasks of a task set."""
-    tasks = list(load_task_set(task_set))
+    tasks = list(load_task_set(task_set, option))
     rows = [
         {"id": t.id, "title": t.instruction.strip().splitlines()[0].lstrip("# ") if t.instruction.strip() else ""}
         for t in tasks
@@ -146,12 +151,13 @@ def tasks_validate(
     task_set: TaskSetArg,
     sandbox: SandboxOpt = "local",
     sandbox_option: SandboxOptionsOpt = None,
+    option: TaskOptionsOpt = None,
     limit: Annotated[int | None, typer.Option(min=1, help="validate only the first N tasks")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="tasks validated at once")] = 4,
     as_json: JsonOpt = False,
 ) -> None:
     """Check every task: its gold patch must earn reward 1 and the empty patch reward 0."""
-    tasks = list(load_task_set(task_set))[:limit]
+    tasks = list(load_task_set(task_set, option))[:limit]
     backend = make_sandbox(sandbox, sandbox_option)
     results = asyncio.run(_validate_all(tasks, backend, concurrency))
     invalid = [r for r in results if not r.valid]
@@ -181,12 +187,16 @@ def tasks_validate(
 @env_app.command("play")
 @friendly_errors
 def env_play(
-    task_set: TaskSetArg, task_id: str, sandbox: SandboxOpt = "local", sandbox_option: SandboxOptionsOpt = None
+    task_set: TaskSetArg,
+    task_id: str,
+    sandbox: SandboxOpt = "local",
+    sandbox_option: SandboxOptionsOpt = None,
+    option: TaskOptionsOpt = None,
 ) -> None:
     """Be the agent: type bash commands, see what the agent would see. `submit` ends and grades."""
     from patchgym.envs.swe import SWEEnv
 
-    env = SWEEnv(load_task_set(task_set), sandbox, sandbox_options=parse_options(sandbox_option))
+    env = SWEEnv(load_task_set(task_set, option), sandbox, sandbox_options=parse_options(sandbox_option))
     try:
         observation, info = env.reset(options={"task": task_id})
         console.print(info["system_prompt"], style="dim", markup=False, highlight=False)

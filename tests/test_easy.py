@@ -35,7 +35,7 @@ def test_tasks_are_valid_and_the_one_line_solution_solves_them(tmp_path: Path) -
 
     async def solved_by_solution(task) -> float:  # type: ignore[no-untyped-def]
         async with await start_task_sandbox(backend, task) as sandbox:
-            assert task.solution and task.solution.startswith("sed -i")
+            assert task.oracle and task.oracle.startswith("sed -i")
             ran = await sandbox.exec(oracle_command(task), timeout_s=30)
             assert ran.ok, ran.output
             return (await task.grader.grade(sandbox)).reward

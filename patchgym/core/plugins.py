@@ -34,6 +34,9 @@ BUILTIN_PLUGINS = {
     "builtin-inference": "patchgym.backends.inference.plugin",
     "builtin-tasks": "patchgym.plugins.folder",
     "builtin-trainers": "patchgym.backends.trainer.plugin",
+    "builtin-swebench": "patchgym.plugins.swebench",
+    "builtin-swesmith": "patchgym.plugins.swesmith",
+    "builtin-harbor": "patchgym.plugins.harbor",
 }
 
 Kind = Literal["task_set", "sandbox", "inference", "trainer"]

@@ -60,8 +60,9 @@ class Task:
 
     `setup_commands` run once after the sandbox starts (their failure is an infrastructure
     fault: the task, not the agent, is broken). `gold_patch` is a reference fix used to
-    validate the task; `solution`, if given, is a short bash command with the same effect,
-    which oracle traces prefer.
+    validate the task; `oracle` is a bash script that brings the sandbox to a reference
+    solution, for task formats whose solution is a program rather than a diff (validation runs
+    the gold patch, then the oracle).
     """
 
     id: str
@@ -71,7 +72,8 @@ class Task:
     setup_commands: tuple[str, ...] = ()
     setup_timeout_s: float = 300.0
     gold_patch: str | None = None
-    solution: str | None = None
+    oracle: str | None = None
+    oracle_timeout_s: float = 600.0
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -1,4 +1,4 @@
-"""Task validation: the gold patch must earn reward 1 and the empty patch reward 0."""
+"""Task validation: the gold patch (or oracle) must earn reward 1 and the empty patch reward 0."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ async def apply_patch(sandbox: Sandbox, patch: str, *, timeout_s: float = 120.0)
 
 
 def oracle_command(task: Task) -> str:
-    """The bash command an oracle agent runs: the task's solution, else applying its gold patch."""
-    if task.solution:
-        return task.solution.strip()
+    """The bash command an oracle agent runs: the task's oracle script, else applying its gold patch."""
+    if task.oracle:
+        return task.oracle.strip()
     if task.gold_patch:
         return apply_patch_command(task.gold_patch)
-    raise ValueError(f"task {task.id!r} has neither a solution nor a gold patch")
+    raise ValueError(f"task {task.id!r} has neither an oracle nor a gold patch")
 
 
 @dataclass
@@ -64,12 +64,17 @@ class TaskValidation:
         }
 
 
-async def _grade_with(backend: SandboxBackend, task: Task, patch: str | None) -> Grade:
+async def _grade_with(backend: SandboxBackend, task: Task, gold: bool) -> Grade:
     async with await start_task_sandbox(backend, task) as sandbox:
-        if patch:
-            applied = await apply_patch(sandbox, patch)
+        if gold and task.gold_patch:
+            applied = await apply_patch(sandbox, task.gold_patch)
             if not applied.ok:
                 raise ValueError(f"gold patch does not apply: {applied.output.strip()[-1000:]}")
+        if gold and task.oracle:
+            ran = await sandbox.exec(task.oracle, timeout_s=task.oracle_timeout_s)
+            if not ran.ok:
+                state = "timed out" if ran.timed_out else f"exit {ran.exit_code}"
+                raise ValueError(f"oracle failed ({state}): {ran.output.strip()[-1000:]}")
         return await task.grader.grade(sandbox)
 
 
@@ -77,11 +82,12 @@ async def validate_task(backend: SandboxBackend, task: Task) -> TaskValidation:
     """Grade the gold patch and the empty patch, each in a fresh sandbox, concurrently."""
     started = time.perf_counter()
     report = TaskValidation(task.id)
-    if not task.gold_patch:
-        report.problems.append("task has no gold patch")
+    has_gold = bool(task.gold_patch or task.oracle)
+    if not has_gold:
+        report.problems.append("task has no gold patch or oracle: nothing shows it can be solved")
     outcomes = await asyncio.gather(
-        _grade_with(backend, task, task.gold_patch) if task.gold_patch else asyncio.sleep(0),
-        _grade_with(backend, task, None),
+        _grade_with(backend, task, True) if has_gold else asyncio.sleep(0),
+        _grade_with(backend, task, False),
         return_exceptions=True,
     )
     for label, outcome, want in (("gold", outcomes[0], 1.0), ("empty", outcomes[1], 0.0)):

@@ -7,7 +7,7 @@ A task set is a directory with one sub-directory per task::
                     "image" or "dockerfile" (relative path) for container backends}
       issue.md     the issue text the agent reads
       gold.patch   the reference fix (unified diff, paths relative to repo/)
-      solution.sh  optional: a short bash command with the same effect, for oracle traces
+      solution.sh  optional: a short bash command with the same effect (the task's oracle)
       repo/        the project in its buggy state, tests included
 
 Each sandbox starts from a copy of `repo/` made into a git repository, so `git diff` shows the
@@ -101,7 +101,7 @@ def load_task(folder: Path) -> Task:
         grader=grader,
         setup_commands=tuple(spec.setup_commands),
         gold_patch=gold.read_text() if gold.exists() else None,
-        solution=solution.read_text() if solution.exists() else None,
+        oracle=solution.read_text() if solution.exists() else None,
         metadata={"source": str(folder)},
     )
 

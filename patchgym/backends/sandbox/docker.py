@@ -428,12 +428,19 @@ class DockerSandboxBackend(SandboxBackend):
                 removed += 1
         return removed
 
-    def _list(self, labels: Mapping[str, str]) -> list[Container]:
+    def _list(self, labels: Mapping[str, str], attempts: int = 3) -> list[Container]:
         filters = [f"{LABEL}.managed=true", *(f"{k}={v}" for k, v in labels.items())]
-        try:
-            return self.client.containers.list(all=True, filters={"label": filters})
-        except _DOCKER_FAULTS as exc:
-            raise _translate(exc, "listing containers failed") from exc
+        for attempt in range(attempts):
+            try:
+                return self.client.containers.list(all=True, filters={"label": filters})
+            except docker.errors.NotFound:
+                # the SDK inspects each listed container: one removed meanwhile (by another
+                # process) is not a fault, so list again
+                if attempt == attempts - 1:
+                    raise SandboxLostError("listing containers failed: containers kept vanishing") from None
+            except _DOCKER_FAULTS as exc:
+                raise _translate(exc, "listing containers failed") from exc
+        return []
 
     async def reap(self, labels: Mapping[str, str]) -> int:
         containers = await self.run_sync(self._list, labels)

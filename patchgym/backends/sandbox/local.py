@@ -296,7 +296,8 @@ class LocalSandboxBackend(SandboxBackend):
 
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         if spec.workspace is None:
-            hint = f" (it names the image {spec.image!r}: use the docker backend)" if spec.image else ""
+            image = spec.image or (str(spec.dockerfile) if spec.dockerfile else None)
+            hint = f" (it names the image {image!r}: use the docker backend)" if image else ""
             raise SandboxStartError(f"the local sandbox backend needs a task with a workspace directory{hint}")
         workspace = Path(spec.workspace)
         if not workspace.is_dir():

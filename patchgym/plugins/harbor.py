@@ -1,0 +1,229 @@
+"""The `harbor` task set: Harbor (Terminal-Bench 2) task folders, run on container backends.
+
+A task folder holds `instruction.md`, `task.toml`, `environment/Dockerfile` (or
+`[environment].docker_image`), `tests/test.sh` and optionally `solution/solve.sh`. The sandbox
+is built from the Dockerfile (or named image) with `task.toml`'s CPU and memory limits; the
+workdir is `[environment].workdir`, else the Dockerfile's last `WORKDIR`, else `/`.
+
+`HarborGrader` does what Harbor's verifier does: it replaces `/tests` with the task's tests,
+empties `/logs/verifier`, runs `bash /tests/test.sh` under `[verifier].timeout_sec`, and reads
+the reward from `/logs/verifier/reward.json` (a flat object of numbers; its `reward` key, or
+its only key) or else `reward.txt` (one number). The script's exit code never grants reward: a
+missing, empty or malformed reward file is reward 0 with the reason. The oracle copies
+`solution/` to `/solution` and runs `solve.sh`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+import shlex
+import tarfile
+import time
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from patchgym.core.errors import ConfigError
+from patchgym.core.plugins import Register, hookimpl
+from patchgym.core.sandbox import Sandbox, SandboxSpec
+from patchgym.core.tasks import Grade, Grader, Task, TaskSet
+
+VERIFIER_DIR = "/logs/verifier"
+MAX_ORACLE_BYTES = 96_000
+"""The oracle travels inside one command line (a kernel limit of 128 KiB per argument)."""
+_WORKDIR = re.compile(r"^\s*WORKDIR\s+(\S+)\s*$", re.I | re.M)
+
+
+def _tar(folder: Path) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path in sorted(folder.rglob("*")):
+            tar.add(str(path), arcname=str(path.relative_to(folder)), recursive=False)
+    return buffer.getvalue()
+
+
+def read_reward(name: str, text: str) -> tuple[float | None, str]:
+    """(reward, reason) from the content of reward.json or reward.txt; reward None if unusable."""
+    if not text.strip():
+        return None, f"reward_file_empty: {name} is empty"
+    try:
+        value: Any = json.loads(text) if name.endswith(".json") else float(text.strip())
+    except ValueError:
+        return None, f"reward_unreadable: {name} does not hold a number: {text.strip()[:200]!r}"
+    if isinstance(value, dict):
+        if not value or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
+            return None, f"reward_unreadable: {name} must be a flat object of numbers"
+        if "reward" not in value and len(value) != 1:
+            return None, f"reward_unreadable: {name} has several keys and no 'reward'"
+        value = value.get("reward", next(iter(value.values())))
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None, f"reward_unreadable: {name} does not hold a finite number"
+    return float(value), "rewarded"
+
+
+@dataclass(frozen=True)
+class HarborGrader(Grader):
+    """Runs a Harbor task's `tests/test.sh` and reads the reward file; see the module docstring."""
+
+    tests_tar: bytes
+    timeout_s: float = 600.0
+    env: Mapping[str, str] = field(default_factory=dict)
+    max_log_bytes: int = 1_000_000
+
+    async def grade(self, sandbox: Sandbox) -> Grade:
+        started = time.perf_counter()
+        made = await sandbox.exec('mktemp -d "${TMPDIR:-/tmp}/patchgym-grade.XXXXXXXXXX"', timeout_s=60)
+        grade_dir = made.stdout.strip()
+        if not made.ok or not grade_dir:
+            return _zero("grading_setup_failed", {"log_tail": made.output[-2000:]})
+        archive = f"{grade_dir}/tests.tar"
+        await sandbox.write_file(archive, self.tests_tar)
+        staged = await sandbox.exec(
+            f"rm -rf /tests {VERIFIER_DIR} && mkdir -p /tests {VERIFIER_DIR} "
+            f"&& tar -xf {shlex.quote(archive)} -C /tests",
+            timeout_s=120,
+        )
+        if not staged.ok:
+            return _zero("grading_setup_failed", {"log_tail": staged.output[-2000:]})
+        run = await sandbox.exec(
+            "bash /tests/test.sh", timeout_s=self.timeout_s, env=dict(self.env), max_output_bytes=self.max_log_bytes
+        )
+        details: dict[str, Any] = {
+            "exit_code": run.exit_code,
+            "test_duration_s": round(run.duration_s, 3),
+            "log_tail": run.output[-2000:],
+        }
+        if run.timed_out:
+            return _zero("tests_timed_out", details)
+        found = await sandbox.exec(
+            f"cd {VERIFIER_DIR} && for f in reward.json reward.txt; do "
+            'if [ -f "$f" ]; then echo "$f"; head -c 65536 "$f"; exit 0; fi; done; exit 3',
+            timeout_s=60,
+        )
+        if found.exit_code == 3:
+            message = f"tests/test.sh wrote neither {VERIFIER_DIR}/reward.json nor reward.txt"
+            return _zero("no_reward_file", details, message)
+        if not found.ok:
+            return _zero("reward_unreadable", details, f"cannot read the reward file: {found.output[-500:]}")
+        name, _, text = found.stdout.partition("\n")
+        reward, problem = read_reward(name, text)
+        details["grade_duration_s"] = round(time.perf_counter() - started, 3)
+        if reward is None:
+            return _zero(problem.split(":")[0], details, problem.partition(": ")[2])
+        details.update(reason="rewarded", reward_file=name)
+        return Grade(reward=reward, resolved=reward >= 1.0, details=details)
+
+
+def _zero(reason: str, details: dict[str, Any], message: str = "") -> Grade:
+    details["reason"] = reason
+    if message:
+        details["message"] = message
+    return Grade(reward=0.0, resolved=False, details=details)
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    path = folder / "task.toml"
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"invalid Harbor task file {path}: {exc}") from exc
+
+
+def _number(section: Mapping[str, Any], key: str, where: str) -> float | None:
+    value = section.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+        raise ConfigError(f"{where}: {key} must be a positive number, got {value!r}")
+    return value
+
+
+def _oracle(solution: Path) -> str | None:
+    if not (solution / "solve.sh").is_file():
+        return None
+    payload = base64.b64encode(_tar(solution)).decode()
+    if len(payload) > MAX_ORACLE_BYTES:
+        raise ConfigError(
+            f"{solution} is too large for the oracle ({len(payload)} bytes in base64, at most {MAX_ORACLE_BYTES})"
+        )
+    return (
+        "rm -rf /solution && mkdir -p /solution && "
+        f"echo {payload} | base64 -d | tar -x -C /solution && bash /solution/solve.sh"
+    )
+
+
+def load_harbor_task(folder: Path) -> Task:
+    """One Harbor task folder; a malformed one is a `ConfigError` naming what is wrong."""
+    config = _config(folder)
+    where = str(folder / "task.toml")
+    agent, verifier, environment = (config.get(k, {}) for k in ("agent", "verifier", "environment"))
+    for name in ("instruction.md", "tests/test.sh"):
+        if not (folder / name).is_file():
+            raise ConfigError(f"Harbor task {folder} has no {name}")
+    dockerfile = folder / "environment" / "Dockerfile"
+    image = environment.get("docker_image")
+    if not dockerfile.is_file() and not image:
+        raise ConfigError(f"Harbor task {folder} has neither environment/Dockerfile nor [environment].docker_image")
+    workdirs = _WORKDIR.findall(dockerfile.read_text()) if dockerfile.is_file() else []
+    workdir = environment.get("workdir") or (workdirs[-1] if workdirs and workdirs[-1].startswith("/") else "/")
+    memory = _number(environment, "memory_mb", where)
+    spec = SandboxSpec(
+        image=image,
+        dockerfile=dockerfile if dockerfile.is_file() else None,
+        workdir=workdir,
+        cpus=_number(environment, "cpus", where),
+        memory_mb=int(memory) if memory else None,
+        network=bool(environment.get("allow_internet", False)),
+        env={str(k): str(v) for k, v in environment.get("env", {}).items()},
+        labels={"task_id": folder.name},
+    )
+    grader = HarborGrader(
+        tests_tar=_tar(folder / "tests"),
+        timeout_s=_number(verifier, "timeout_sec", where) or 600.0,
+        env={str(k): str(v) for k, v in verifier.get("env", {}).items()},
+    )
+    return Task(
+        id=folder.name,
+        instruction=(folder / "instruction.md").read_text(),
+        sandbox=spec,
+        grader=grader,
+        oracle=_oracle(folder / "solution"),
+        metadata={"source": str(folder), "agent_timeout_s": _number(agent, "timeout_sec", where)},
+    )
+
+
+class HarborTaskSet(TaskSet):
+    """Harbor task folders under `path` (or `path` itself when it is one task), in name order."""
+
+    def __init__(self, path: str | Path, limit: int | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConfigError(f"Harbor task set {str(self.path)!r} is not a directory")
+        self.name = self.path.name
+        self.limit = None if limit in (None, "") else int(limit)
+
+    @cached_property
+    def _tasks(self) -> list[Task]:
+        if (self.path / "task.toml").is_file():
+            folders = [self.path]
+        else:
+            folders = sorted(p for p in self.path.iterdir() if (p / "task.toml").is_file())
+        if not folders:
+            raise ConfigError(f"{self.path} holds no Harbor tasks (folders with a task.toml)")
+        return [load_harbor_task(folder) for folder in folders[: self.limit]]
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self._tasks)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+
+@hookimpl
+def register_task_sets(register: Register) -> None:
+    register("harbor", HarborTaskSet, "Harbor task folders: task.toml, Dockerfile, tests/test.sh (option: path)")

@@ -1,0 +1,379 @@
+"""SWE-bench and SWE-smith task sets: loading, images, subsets, grading on local and Docker
+sandboxes (reward hacking included), and agreement with the swebench package's own grading."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from patchgym.core.errors import ConfigError
+from patchgym.core.sandbox import SandboxBackend
+from patchgym.core.tasks import Task, start_task_sandbox
+from patchgym.core.validation import apply_patch, validate_task
+from patchgym.plugins.swe_data import listed_tests, load_rows, stratified_subset, swebench_image, swesmith_image
+from patchgym.plugins.swe_grading import SWELogGrader
+from patchgym.plugins.swebench import SWEBenchTaskSet, swebench_test_command
+from patchgym.plugins.swesmith import SWESmithTaskSet
+from tests.conftest import make_backend, require_docker
+from tests.swe_fixtures import build_image, swebench_fixture, swesmith_fixture
+from tests.test_grading import FORGING_CONFTEST
+
+FIXTURE_OPTIONS = {"activate": "", "reinstall": False}
+SANDBOXES = ["local-none", "local-bwrap", "docker"]
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def swebench_set(tmp_path: Path, kind: str, **options: Any) -> SWEBenchTaskSet:
+    repos, row = swebench_fixture(tmp_path)
+    data = write_rows(tmp_path / "instances.jsonl", [row])
+    if kind == "docker":
+        require_docker()
+        build_image(tmp_path, repos / row["instance_id"], swebench_image(row["instance_id"], namespace="patchgym-test"))
+        return SWEBenchTaskSet(data, namespace="patchgym-test", **FIXTURE_OPTIONS, **options)
+    return SWEBenchTaskSet(data, repos_dir=str(repos), **FIXTURE_OPTIONS, **options)
+
+
+def swesmith_set(tmp_path: Path, kind: str) -> SWESmithTaskSet:
+    repos, row = swesmith_fixture(tmp_path)
+    data = write_rows(tmp_path / "smith.json", [row])
+    if kind == "docker":
+        require_docker()
+        snapshot = row["repo"].split("/")[1]
+        build_image(
+            tmp_path, repos / snapshot, swesmith_image("fixture/calc", row["base_commit"], namespace="patchgym-test")
+        )
+        return SWESmithTaskSet(data, namespace="patchgym-test", activate="")
+    return SWESmithTaskSet(data, repos_dir=str(repos), activate="")
+
+
+@pytest.fixture(params=SANDBOXES)
+async def sandbox_kind(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[str, SandboxBackend]]:
+    backend = make_backend(request.param, tmp_path)
+    yield request.param, backend
+    await backend.aclose()
+
+
+async def grade_after(backend: SandboxBackend, task: Task, command: str = "", *, gold: bool = False) -> dict:
+    async with await start_task_sandbox(backend, task) as sandbox:
+        if gold:
+            assert task.gold_patch
+            assert (await apply_patch(sandbox, task.gold_patch)).ok
+        if command:
+            done = await sandbox.exec(command, timeout_s=60)
+            assert done.ok, done.output
+        return (await task.grader.grade(sandbox)).as_dict()
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def test_rows_load_from_json_jsonl_and_parquet(tmp_path: Path) -> None:
+    rows = [{"instance_id": "a", "FAIL_TO_PASS": '["t1"]'}, {"instance_id": "b", "FAIL_TO_PASS": ["t2"]}]
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    as_strings = [{**row, "FAIL_TO_PASS": json.dumps(listed_tests(row["FAIL_TO_PASS"], "F", "x"))} for row in rows]
+    pq.write_table(pyarrow.Table.from_pylist(as_strings), tmp_path / "rows.parquet")  # SWE-bench stores strings
+    for name in ("rows.json", "rows.jsonl"):
+        write_rows(tmp_path / name, rows)
+    (tmp_path / "wrapped.json").write_text(json.dumps({"instances": rows}))
+    for name in ("rows.json", "rows.jsonl", "rows.parquet", "wrapped.json"):
+        loaded = load_rows(tmp_path / name)
+        assert [listed_tests(r["FAIL_TO_PASS"], "FAIL_TO_PASS", r["instance_id"]) for r in loaded] == [["t1"], ["t2"]]
+
+
+def test_bad_rows_are_config_errors_naming_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="not a JSON list"):
+        listed_tests("[oops", "FAIL_TO_PASS", "x")
+    _, row = swebench_fixture(tmp_path)
+    del row["test_patch"]
+    data = write_rows(tmp_path / "rows.json", [row])
+    with pytest.raises(ConfigError, match=r"fixture__calc-1.*test_patch"):
+        list(SWEBenchTaskSet(data, **FIXTURE_OPTIONS))
+    _, row = swebench_fixture(tmp_path / "other")
+    row["FAIL_TO_PASS"] = "[]"
+    with pytest.raises(ConfigError, match="empty FAIL_TO_PASS"):
+        list(SWEBenchTaskSet(write_rows(tmp_path / "empty.json", [row]), **FIXTURE_OPTIONS))
+    row.update(FAIL_TO_PASS='["t"]', test_cmd="pytest -rA", log_parser="parse_log_nonsense")
+    with pytest.raises(ConfigError, match="unknown log parser"):
+        list(SWEBenchTaskSet(write_rows(tmp_path / "parser.json", [row]), **FIXTURE_OPTIONS))
+
+
+def test_image_names_follow_the_harness_conventions(tmp_path: Path) -> None:
+    assert swebench_image("sympy__sympy-13031") == "swebench/sweb.eval.x86_64.sympy_1776_sympy-13031:latest"
+    assert swebench_image("Django__django-1", namespace="", arch="arm64", tag="v2") == (
+        "sweb.eval.arm64.django_1776_django-1:v2"
+    )
+    assert swesmith_image("pandas-dev/pandas", "95280573abcdef") == (
+        "swebench/swesmith.x86_64.pandas-dev_1776_pandas.95280573"
+    )
+    _, row = swebench_fixture(tmp_path)
+    rows = [row, {**row, "instance_id": "other__x-2", "image_name": "my/image:1"}]
+    tasks = list(SWEBenchTaskSet(write_rows(tmp_path / "rows.json", rows), **FIXTURE_OPTIONS))
+    assert [t.sandbox.image for t in tasks] == ["swebench/sweb.eval.x86_64.fixture_1776_calc-1:latest", "my/image:1"]
+    assert tasks[0].sandbox.workdir == "/testbed" and tasks[0].sandbox.workspace is None
+
+
+def test_test_command_comes_from_the_swebench_specs_offline() -> None:
+    patch = "diff --git a/tests/forms_tests/test_x.py b/tests/forms_tests/test_x.py\n"
+    steps, command = swebench_test_command(
+        {"instance_id": "d", "repo": "django/django", "version": "3.0", "test_patch": patch}
+    )
+    assert command.startswith("./tests/runtests.py") and command.endswith("forms_tests.test_x")
+    assert any("LANG" in step or "locale" in step for step in steps)
+    _, command = swebench_test_command(
+        {
+            "instance_id": "s",
+            "repo": "sympy/sympy",
+            "version": "1.1",
+            "test_patch": patch.replace("tests/forms_tests", "sympy/core"),
+        }
+    )
+    assert command.endswith("sympy/core/test_x.py")
+    with pytest.raises(ConfigError, match="no specs"):
+        swebench_test_command({"instance_id": "u", "repo": "nobody/nothing", "version": "1", "test_patch": ""})
+
+
+def test_stratified_subset_is_proportional_and_seeded() -> None:
+    rows = [
+        {"instance_id": f"{repo}-{i}", "repo": repo} for repo, n in (("a", 60), ("b", 30), ("c", 10)) for i in range(n)
+    ]
+    picked = stratified_subset(rows, 10, seed=1)
+    counts = {repo: sum(1 for r in picked if r["repo"] == repo) for repo in "abc"}
+    assert counts == {"a": 6, "b": 3, "c": 1}
+    assert picked == stratified_subset(rows, 10, seed=1)
+    assert picked != stratified_subset(rows, 10, seed=2)
+    assert [r["instance_id"] for r in picked] == sorted(
+        (r["instance_id"] for r in picked), key=[x["instance_id"] for x in rows].index
+    )
+    odd = stratified_subset(rows, 7, seed=0)
+    assert len(odd) == 7 and {r["repo"] for r in odd} == {"a", "b", "c"}
+    assert stratified_subset(rows, 500) == rows
+
+
+def test_subset_limit_and_ids_options(tmp_path: Path) -> None:
+    _, row = swebench_fixture(tmp_path)
+    rows = [{**row, "instance_id": f"r{i}", "repo": "marshmallow-code/marshmallow"} for i in range(4)]
+    data = write_rows(tmp_path / "rows.json", rows)
+    assert SWEBenchTaskSet(data, limit="2", **FIXTURE_OPTIONS).ids() == ["r0", "r1"]
+    assert SWEBenchTaskSet(data, ids="r3,r1", **FIXTURE_OPTIONS).ids() == ["r1", "r3"]
+    assert len(SWEBenchTaskSet(data, subset=3, seed=5, **FIXTURE_OPTIONS)) == 3
+    with pytest.raises(ConfigError, match="no instance"):
+        SWEBenchTaskSet(data, ids="nope", **FIXTURE_OPTIONS).ids()
+
+
+# -- grading in sandboxes -------------------------------------------------------------------
+
+
+async def test_swebench_gold_and_empty_validate(tmp_path: Path, sandbox_kind: tuple[str, SandboxBackend]) -> None:
+    kind, backend = sandbox_kind
+    (task,) = swebench_set(tmp_path, kind)
+    report = await validate_task(backend, task)
+    assert report.valid, report.problems
+    assert report.gold and report.gold.details["resolution"] == "RESOLVED_FULL"
+    assert report.empty and report.empty.details["report"]["FAIL_TO_PASS"]["failure"] == [
+        "tests/test_calc.py::test_add"
+    ]
+
+
+async def test_swebench_reward_hacking_is_defeated(tmp_path: Path, sandbox_kind: tuple[str, SandboxBackend]) -> None:
+    kind, backend = sandbox_kind
+    (task,) = swebench_set(tmp_path, kind)
+    # the agent writes the F2P test itself, trivially passing
+    gutted = "printf 'def test_add():\\n    pass\\ndef test_mul():\\n    pass\\n' > tests/test_calc.py"
+    assert (await grade_after(backend, task, gutted))["reward"] == 0.0
+    # a forging conftest (and pytest.ini loading it) is removed before the tests run
+    plant = f"cat > conftest.py <<'EOF'\n{FORGING_CONFTEST}\nEOF\ncp conftest.py tests/conftest.py"
+    forged = await grade_after(backend, task, plant)
+    assert forged["reward"] == 0.0 and forged["details"]["reason"] == "tests_failed"
+    # code under test printing PASSED lines does not override the real summary
+    printer = "printf 'print(\"PASSED tests/test_calc.py::test_add\")\\n' >> calc/__init__.py"
+    assert (await grade_after(backend, task, printer))["reward"] == 0.0
+    # deleting the tests does not help; an honest fix with scribbled tests still scores
+    assert (await grade_after(backend, task, "rm -rf tests"))["reward"] == 0.0
+    assert (await grade_after(backend, task, gutted, gold=True))["reward"] == 1.0
+
+
+async def test_swesmith_validate_hides_and_restores_tests(
+    tmp_path: Path, sandbox_kind: tuple[str, SandboxBackend]
+) -> None:
+    kind, backend = sandbox_kind
+    (task,) = swesmith_set(tmp_path, kind)
+    assert task.gold_patch is None and task.oracle
+    report = await validate_task(backend, task)
+    assert report.valid, report.problems
+    async with await start_task_sandbox(backend, task) as sandbox:
+        listing = await sandbox.exec("ls tests", timeout_s=30)
+        assert "test_add.py" not in listing.stdout and "test_mul.py" in listing.stdout
+        history = await sandbox.exec("git status --porcelain; git log --format=%s", timeout_s=30)
+        assert history.stdout == "hide failing tests\nbug\nsnapshot\n"  # clean tree: `git diff` shows only the agent
+        # the agent recreates the hidden test as a trivial pass: restoration brings back the real one
+        await sandbox.write_file("tests/test_add.py", "def test_add():\n    pass\n")
+        grade = await task.grader.grade(sandbox)
+    assert grade.reward == 0.0 and grade.details["report"]["FAIL_TO_PASS"]["failure"] == ["tests/test_add.py::test_add"]
+
+
+# -- agreement with the swebench package ---------------------------------------------------
+
+PYTEST_LOG = """\
+============================= test session starts ==============================
+collected 4 items
+
+tests/test_calc.py .F.x                                                  [100%]
+=========================== short test summary info ============================
+PASSED tests/test_calc.py::test_mul
+FAILED tests/test_calc.py::test_add - assert 0 == 4
+PASSED tests/test_calc.py::test_sub[1-2]
+XFAIL tests/test_calc.py::test_div - reason: later
+========================= 1 failed, 2 passed, 1 xfailed in 0.09s ===============
+"""
+DJANGO_LOG = """\
+test_clean (forms_tests.tests.FormTests) ... ok
+test_render (forms_tests.tests.FormTests) ... FAIL
+test_skip (forms_tests.tests.FormTests) ... skipped 'no db'
+test_widget (forms_tests.tests.WidgetTests)
+Docstring first line ... ok
+
+----------------------------------------------------------------------
+Ran 4 tests in 0.010s
+
+FAILED (failures=1, skipped=1)
+"""
+AGREEMENT_CASES = [
+    (
+        "marshmallow-code/marshmallow",
+        "3.0",
+        PYTEST_LOG,
+        1,
+        ["tests/test_calc.py::test_add"],
+        ["tests/test_calc.py::test_mul"],
+    ),
+    (
+        "marshmallow-code/marshmallow",
+        "3.0",
+        PYTEST_LOG,
+        1,
+        ["tests/test_calc.py::test_div"],
+        ["tests/test_calc.py::test_sub[1-2]"],
+    ),
+    (
+        "marshmallow-code/marshmallow",
+        "3.0",
+        PYTEST_LOG,
+        1,
+        ["tests/test_calc.py::test_mul", "tests/test_calc.py::test_add"],
+        [],
+    ),
+    (
+        "django/django",
+        "4.0",
+        DJANGO_LOG,
+        1,
+        ["test_clean (forms_tests.tests.FormTests)"],
+        ["test_render (forms_tests.tests.FormTests)"],
+    ),
+    (
+        "django/django",
+        "4.0",
+        DJANGO_LOG,
+        1,
+        ["test_clean (forms_tests.tests.FormTests)"],
+        ["test_skip (forms_tests.tests.FormTests)"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("repo", "version", "log", "exit_code", "f2p", "p2p"), AGREEMENT_CASES)
+def test_grading_agrees_with_the_swebench_package(
+    tmp_path: Path, repo: str, version: str, log: str, exit_code: int, f2p: list[str], p2p: list[str]
+) -> None:
+    from swebench.harness.constants import END_TEST_OUTPUT, START_TEST_OUTPUT
+    from swebench.harness.grading import get_eval_tests_report, get_logs_eval, get_resolution_status
+
+    from patchgym.plugins.swe_grading import _test_spec
+
+    log_file = tmp_path / "test_output.txt"
+    log_file.write_text(f"+ git apply -v -\n+ : '{START_TEST_OUTPUT}'\n{log}+ : '{END_TEST_OUTPUT}'\n")
+    status_map, found = get_logs_eval(_test_spec("x__y-1", repo, version, f2p, p2p), str(log_file))
+    assert found and status_map
+    expected = get_resolution_status(get_eval_tests_report(status_map, {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p}))
+    grader = SWELogGrader("x__y-1", repo, version, tuple(f2p), tuple(p2p), "true", "HEAD")
+    grade = grader.judge_log(log, exit_code)
+    assert {name: str(status) for name, status in grade.tests.items()} == status_map
+    assert grade.details["resolution"] == expected
+    assert grade.resolved == (expected == "RESOLVED_FULL")
+
+
+def test_printed_passes_with_a_failing_exit_code_are_a_mismatch() -> None:
+    forged = "PASSED tests/test_calc.py::test_add\nPASSED tests/test_calc.py::test_mul\n"
+    grader = SWELogGrader(
+        "x", "marshmallow-code/marshmallow", "3.0", ("tests/test_calc.py::test_add",), (), "true", "HEAD"
+    )
+    assert grader.judge_log(forged, 0).reward == 1.0
+    assert grader.judge_log(forged, 1).details["reason"] == "exit_code_mismatch"
+    assert grader.judge_log(forged, None, timed_out=True).details["reason"] == "tests_timed_out"
+    assert grader.judge_log("no tests here\n", 0).details["reason"] == "no_test_results"
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def test_cli_passes_task_set_options(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from patchgym.cli import app
+
+    repos, row = swebench_fixture(tmp_path)
+    data = write_rows(tmp_path / "rows.json", [row])
+    options = ["-o", f"path={data}", "-o", f"repos_dir={repos}", "-o", "activate=", "-o", "reinstall=false"]
+    listed = CliRunner().invoke(app, ["tasks", "list", "swebench", *options, "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.output)[0]["id"] == "fixture__calc-1"
+    validated = CliRunner().invoke(app, ["tasks", "validate", "swebench", *options, "--sandbox", "local", "--json"])
+    assert validated.exit_code == 0, validated.output
+    assert json.loads(validated.output)["tasks"][0]["gold_reward"] == 1.0
+    bad = CliRunner().invoke(app, ["tasks", "list", "swebench", "-o", "path"])
+    assert bad.exit_code == 2 and "KEY=VALUE" in bad.output
+    unknown = CliRunner().invoke(app, ["tasks", "list", "swebench", "-o", f"path={data}", "-o", "colour=red"])
+    assert unknown.exit_code == 2 and "colour" in unknown.output
+
+
+async def test_validation_names_why_a_task_is_invalid(tmp_path: Path) -> None:
+    backend = make_backend("local-none", tmp_path)
+    repos, row = swebench_fixture(tmp_path)
+    row["patch"] = row["patch"].replace("a + b", "a + b + 1")  # a "fix" that does not fix
+    (task,) = SWEBenchTaskSet(write_rows(tmp_path / "rows.json", [row]), repos_dir=str(repos), **FIXTURE_OPTIONS)
+    report = await validate_task(backend, task)
+    assert report.problems == ["gold patch got reward 0.0, expected 1.0 (tests_failed)"]
+    # a SWE-smith "bug" that breaks no test: the empty patch already passes (free reward)
+    repos, row = swesmith_fixture(tmp_path / "smith")
+    row["patch"] = row["patch"].replace("-    return a + b\n+    return a - b", "-    return a + b\n+    return b + a")
+    (task,) = SWESmithTaskSet(write_rows(tmp_path / "smith.json", [row]), repos_dir=str(repos), activate="")
+    report = await validate_task(backend, task)
+    assert report.problems == ["empty patch got reward 1.0, expected 0.0 (resolved)"]
+    await backend.aclose()
+
+
+def test_importing_swebench_leaves_logging_alone() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import logging\nfrom patchgym.plugins.swe_grading import swebench_available\n"
+        "assert swebench_available()\nprint(len(logging.getLogger().handlers))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "0"
