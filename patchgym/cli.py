@@ -21,6 +21,7 @@ from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import TaskValidation, validate_task
+from patchgym.plugins.synthetic.command import generate_tasks
 
 app = typer.Typer(help="patchgym: train software-engineering agents with reinforcement learning.", no_args_is_help=True)
 tasks_app = typer.Typer(help="Inspect and validate task sets.", no_args_is_help=True)
@@ -53,7 +54,9 @@ def friendly_errors(fn: F) -> F:
 
 def load_task_set(name: str) -> TaskSet:
     if Path(name).is_dir():
-        return registry().create("task_set", "folder", path=name)
+        marker = Path(name) / "taskset.json"  # names the loader of a generated task set
+        kind = json.loads(marker.read_text()).get("task_set", "folder") if marker.is_file() else "folder"
+        return registry().create("task_set", kind, path=name)
     return registry().create("task_set", name)
 
 
@@ -231,6 +234,8 @@ def sandbox_reap(
 
     console.print(f"removed {asyncio.run(reap())} sandboxes")
 
+
+tasks_app.command("generate")(friendly_errors(generate_tasks))
 
 if __name__ == "__main__":
     app()
