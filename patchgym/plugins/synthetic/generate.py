@@ -82,9 +82,12 @@ class GenerateReport:
     duration_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["duration_s"] = round(self.duration_s, 2)
-        return data
+        data = {name: getattr(self, name) for name in ("settings", "sources", "candidates", "tried", "accepted")}
+        return data | {
+            "rejected": dict(self.rejected),
+            "per_repo": dict(self.per_repo),
+            "duration_s": round(self.duration_s, 2),
+        }
 
 
 @dataclass(frozen=True)

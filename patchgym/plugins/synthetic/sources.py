@@ -128,7 +128,7 @@ def _stdlib(name: str) -> tuple[Path, Snapshot]:
 
 def redirect_imports(test_source: str, module: str) -> str:
     """Point `import M` / `from M import ...` at `pylib.M`; refuse tests that import M another way."""
-    plain = re.compile(rf"^(\s*)import {module}\s*$", re.M)
+    plain = re.compile(rf"^(\s*)import {module}[ \t]*$", re.M)
     star = re.compile(rf"^(\s*)from {module} import ", re.M)
     redirected = plain.sub(rf"\1from {STDLIB_PACKAGE} import {module}", test_source)
     redirected = star.sub(rf"\1from {STDLIB_PACKAGE}.{module} import ", redirected)
