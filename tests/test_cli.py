@@ -68,7 +68,7 @@ def test_plugins_table_lists_names_by_kind() -> None:
     result = invoke("plugins")
     assert result.exit_code == 0, result.output
     out = text(result)
-    assert "task sets: folder, tiny" in out
+    assert "task sets: folder, synthetic, tiny" in out
     assert "sandbox backends: docker, local" in out
     assert "builtin-tasks" in out and "loaded" in out
 

@@ -193,7 +193,7 @@ def test_bad_settings_and_names_are_clear_errors() -> None:
         AsyncSWEEnv("tiny", "local", max_turnz=3)
     with pytest.raises(ValidationError, match="max_turns"):
         AsyncSWEEnv("tiny", "local", max_turns=0)
-    with pytest.raises(ConfigError, match="unknown task set 'nope'; known: folder, tiny"):
+    with pytest.raises(ConfigError, match="unknown task set 'nope'; known: folder, synthetic, tiny"):
         AsyncSWEEnv("nope", "local")
     with pytest.raises(ConfigError, match="unknown sandbox backend 'dockr'; known: docker, local"):
         AsyncSWEEnv("tiny", "dockr")

@@ -141,7 +141,9 @@ async def test_the_agent_sees_the_bug_committed(project: Path, local: SandboxBac
 async def test_generation_is_deterministic_given_the_seed(project: Path, local: SandboxBackend, tmp_path: Path) -> None:
     runs = []
     for concurrency, name in ((1, "a"), (3, "b")):
-        await generate([str(project)], tmp_path / name, local, GenerateSettings(seed=5, max_tasks=3, concurrency=concurrency))
+        await generate(
+            [str(project)], tmp_path / name, local, GenerateSettings(seed=5, max_tasks=3, concurrency=concurrency)
+        )
         runs.append((tmp_path / name / "instances.jsonl").read_text())
     assert runs[0] == runs[1]
     await generate([str(project)], tmp_path / "c", local, GenerateSettings(seed=6, max_tasks=3))

@@ -49,7 +49,9 @@ def variants(code: str, old: str, new: str) -> set[str]:
 
 
 def one(name: str, function: str = "score", code: str = CODE, seed: int = 0) -> str:
-    result = [m for m in mutations("m.py", code, seed=seed, modifiers={name: MODIFIERS[name]}) if m.function == function]
+    result = [
+        m for m in mutations("m.py", code, seed=seed, modifiers={name: MODIFIERS[name]}) if m.function == function
+    ]
     assert len(result) == 1, result
     assert result[0].modifier == name and result[0].original == code
     return result[0].mutated
