@@ -162,6 +162,8 @@ async def test_hard_issue_texts_name_no_failing_test(project: Path, local: Sandb
 
 def test_an_sdist_becomes_a_snapshot(project: Path, tmp_path: Path) -> None:
     archive = tmp_path / "calc-1.0.tar.gz"
+    (project / "docs").mkdir()
+    (project / "docs" / "conf.py").write_text("project = 'calc'\n")
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(project, arcname="calc-1.0")
     snapshot = build_snapshot(str(archive), tmp_path / "snaps")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from patchgym.plugins.synthetic.issues import error_text, scrub, write_issue
+from patchgym.plugins.synthetic.issues import error_text, failing_test_source, scrub, write_issue
 from patchgym.plugins.synthetic.modifiers import MODIFIERS, functions, mutations
 from patchgym.plugins.synthetic.patches import reverse_patch, unified_diff
 
@@ -175,3 +175,20 @@ def test_hard_issue_leaks_no_test_names(tmp_path: Path) -> None:
         assert leaked not in hard
     assert "calc/core.py" in hard and "5 != 3" in hard
     assert test_id in normal and "`clamp`" in normal and "5 != 3" in normal
+
+
+def test_normal_issue_shows_the_failing_test_as_reproduction(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_calc.py").write_text(
+        "import unittest\n\n\nclass CalcTest(unittest.TestCase):\n"
+        "    def test_clamp_high(self):\n        text = '''\\\nat column zero'''\n        self.assertEqual(text, 3)\n"
+    )
+    test_id = "tests.test_calc.CalcTest.test_clamp_high"
+    assert failing_test_source(tmp_path, test_id) == (
+        "def test_clamp_high(self):\n    text = '''\\\nat column zero'''\n    self.assertEqual(text, 3)"
+    )
+    assert failing_test_source(tmp_path, "tests.test_calc.CalcTest.test_missing") is None
+    issue = write_issue(
+        file="calc.py", function="clamp", fail_to_pass=[test_id], messages={}, snapshot=tmp_path, hard=False
+    )
+    assert "def test_clamp_high(self):" in issue

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import re
-import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -64,8 +63,9 @@ def failing_test_source(snapshot: Path, test_id: str) -> str | None:
                 if not found:
                     return None
                 node = found[0]
-            segment = ast.get_source_segment(source, node, padded=True)
-            return textwrap.dedent(segment) if segment else None
+            lines = source.splitlines()[node.lineno - 1 : node.end_lineno]  # type: ignore[attr-defined]
+            indent = node.col_offset  # type: ignore[attr-defined]
+            return "\n".join(line[indent:] if line[:indent].isspace() else line for line in lines)
     return None
 
 

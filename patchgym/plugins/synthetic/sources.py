@@ -8,7 +8,8 @@ A source is one of:
 - a directory: a pure-Python project with a `tests/` (or `test/`) directory of unittest tests.
 - an sdist (`.tar.gz`): unpacked, then treated as a directory.
 
-Every `.py` file outside the test directories is a candidate for bugs.
+Every `.py` file outside the test, docs, examples, benchmarks and scripts directories is a
+candidate for bugs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ STDLIB_PACKAGE = "pylib"
 IGNORED_NAMES = {".git", "__pycache__", ".venv", "venv", ".tox", "build", "dist", ".mypy_cache", ".pytest_cache"}
 NOT_SOURCE = {"setup.py", "conftest.py", "noxfile.py", "tasks.py"}
 TEST_DIR_NAMES = ("tests", "test")
+NOT_SOURCE_DIRS = {*TEST_DIR_NAMES, "docs", "doc", "examples", "benchmarks", "scripts"}
 
 
 def unittest_command(start: str, top: str = ".") -> str:
@@ -163,7 +165,8 @@ def _directory(project: Path, repo_name: str | None = None) -> tuple[Path, Snaps
     sources = tuple(
         str(p.relative_to(staging))
         for p in sorted(staging.rglob("*.py"))
-        if p.relative_to(staging).parts[0] not in TEST_DIR_NAMES
+        if p.relative_to(staging).parts[0] not in NOT_SOURCE_DIRS
+        and not p.relative_to(staging).parts[0].startswith(".")
         and p.name not in NOT_SOURCE
         and not p.name.startswith("test_")
     )
