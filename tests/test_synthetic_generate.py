@@ -231,10 +231,12 @@ def test_synthetic_is_a_registered_task_set(project: Path, tmp_path: Path) -> No
 
 async def test_generated_task_grades_on_docker(project: Path, tmp_path: Path) -> None:
     backend = make_backend("docker", tmp_path)
+    local = LocalSandboxBackend(root_dir=tmp_path)
     try:
         out = tmp_path / "out"
-        await generate([str(project)], out, LocalSandboxBackend(root_dir=tmp_path), GenerateSettings(max_tasks=1))
+        await generate([str(project)], out, local, GenerateSettings(max_tasks=1))
         result = await validate_task(backend, next(iter(SyntheticTaskSet(out))))
         assert result.valid, result.problems
     finally:
         await backend.aclose()
+        await local.aclose()
