@@ -23,6 +23,7 @@ from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import TaskValidation, validate_task
+from patchgym.plugins.synthetic.command import generate_tasks
 
 app = typer.Typer(help="patchgym: train software-engineering agents with reinforcement learning.", no_args_is_help=True)
 tasks_app = typer.Typer(help="Inspect and validate task sets.", no_args_is_help=True)
@@ -83,7 +84,9 @@ def friendly_errors(fn: F) -> F:
 def load_task_set(name: str, options: list[str] | None = None) -> TaskSet:
     parsed = parse_options(options)
     if Path(name).is_dir():
-        return registry().create("task_set", "folder", path=name, **parsed)
+        marker = Path(name) / "taskset.json"  # names the loader of a generated task set
+        kind = json.loads(marker.read_text()).get("task_set", "folder") if marker.is_file() else "folder"
+        return registry().create("task_set", kind, path=name, **parsed)
     return registry().create("task_set", name, **parsed)
 
 
@@ -425,6 +428,8 @@ def eval_chat_model(
     pass_at_1 = "n/a" if report.pass_at_1 is None else f"{report.pass_at_1:.3f}"
     console.print(f"pass@1 {pass_at_1} over {len(report.per_task)} tasks; infra errors: {report.infra_errors}")
 
+
+tasks_app.command("generate")(friendly_errors(generate_tasks))
 
 if __name__ == "__main__":
     app()

@@ -69,7 +69,7 @@ def test_plugins_table_lists_names_by_kind() -> None:
     assert result.exit_code == 0, result.output
     out = text(result)
     task_sets = re.search(r"task sets: ([\w, -]+?) sandbox backends", out)
-    assert task_sets and {"easy", "folder", "tiny"} <= set(task_sets.group(1).split(", "))
+    assert task_sets and {"easy", "folder", "synthetic", "tiny"} <= set(task_sets.group(1).split(", "))
     assert "sandbox backends: docker, local" in out
     assert "builtin-tasks" in out and "loaded" in out
 

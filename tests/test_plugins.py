@@ -118,7 +118,7 @@ def assert_builtins_work(reg: Registry) -> None:
 
 def test_builtins_register_task_sets_and_sandbox() -> None:
     reg = Registry(entry_point_group=None)
-    assert {"easy", "folder", "tiny", "swebench", "swesmith", "harbor"} <= set(reg.names("task_set"))
+    assert {"easy", "folder", "tiny", "synthetic", "swebench", "swesmith", "harbor"} <= set(reg.names("task_set"))
     assert reg.names("sandbox") == ["docker", "local"]
     recs = records(reg)
     assert set(recs) == set(BUILTIN_PLUGINS)

@@ -37,6 +37,7 @@ BUILTIN_PLUGINS = {
     "builtin-swebench": "patchgym.plugins.swebench",
     "builtin-swesmith": "patchgym.plugins.swesmith",
     "builtin-harbor": "patchgym.plugins.harbor",
+    "builtin-synthetic": "patchgym.plugins.synthetic.taskset",
 }
 
 Kind = Literal["task_set", "sandbox", "inference", "trainer"]
