@@ -25,7 +25,16 @@ def _docker(**settings: Any) -> SandboxBackend:
     return DockerSandboxBackend(**settings)
 
 
+def _e2b(**settings: Any) -> SandboxBackend:
+    try:
+        from patchgym.backends.sandbox.e2b import E2BSandboxBackend
+    except ImportError as exc:
+        raise ConfigError(f"the e2b sandbox backend needs the e2b SDK: pip install 'patchgym[e2b]' ({exc})") from exc
+    return E2BSandboxBackend(**settings)
+
+
 @hookimpl
 def register_sandbox_backends(register: Register) -> None:
     register("local", _local, "workspace copies on this host, isolated with bubblewrap when available")
     register("docker", _docker, "Docker containers (network off), warm pool, reaping of leaked containers")
+    register("e2b", _e2b, "E2B microVMs through the e2b SDK: leases renewed while open, metadata labels, reaping")
