@@ -8,9 +8,11 @@ end: REST (`POST /v2/sandboxes`, `GET /v2/sandboxes`, `DELETE /sandboxes/{id}`,
 header the SDK sends (point the SDK at this server with `api_url` and `sandbox_url`).
 
 A sandbox is a private directory tree (`/workspace`, `/tmp`, `/home` are its own; the rest of
-the host is visible read-only) and commands run as real processes under bubblewrap, without a
-pid namespace, so background processes outlive their command exactly as in a real sandbox.
-Lease expiry kills a sandbox. Faults can be injected per route through `POST /_fake/faults`.
+the host is visible read-only, and this interpreter's environment comes first on PATH) and
+commands run as real processes under bubblewrap, without a pid namespace, so background
+processes outlive their command exactly as in a real sandbox. Lease expiry kills a sandbox.
+Template builds are recorded, not run (a template exists once its build finished). Faults can
+be injected per route through `POST /_fake/faults`.
 
 Run: `python -m tests.fake_e2b [--port N]`; it prints `listening on PORT` once ready. Test only:
 it listens on 127.0.0.1.
@@ -48,7 +50,8 @@ from protobuf import Oneof
 
 ENVD_VERSION = "0.6.7"
 PRIVATE_ROOTS = ("workspace", "tmp", "home")
-_SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_SANDBOX_PATH = f"{os.path.dirname(sys.executable)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""The host's tools, this interpreter's environment first: it stands in for a template with Python."""
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -94,6 +97,9 @@ class FakeE2B:
         self.sandboxes: dict[str, FakeSandbox] = {}
         self.faults: dict[str, list[dict[str, Any]]] = {}
         self.calls: dict[str, int] = {}
+        self.builds: dict[str, str] = {}
+        self.templates: dict[str, str] = {}
+        """Finished builds: build id -> template name."""
 
     def take_fault(self, route: str) -> dict[str, Any] | None:
         self.calls[route] = self.calls.get(route, 0) + 1
@@ -106,6 +112,8 @@ class FakeE2B:
         for name in PRIVATE_ROOTS:
             (disk / name).mkdir()
         (disk / "home" / "user").mkdir()
+        # login shells reset PATH from /etc/profile; the sandbox user's profile puts it back
+        (disk / "home" / "user" / ".bash_profile").write_text(f"export PATH={_SANDBOX_PATH}\n")
         box = FakeSandbox(
             sandbox_id=sandbox_id,
             template=body.get("templateID", "base"),
@@ -209,6 +217,8 @@ class ProcessService(Process):
         event = process_pb.ProcessEvent
         try:
             yield process_pb.StartResponse(event=event(event=Oneof("start", event.StartEvent(pid=proc.pid))))
+            if self.state.take_fault("start-drop") is not None:
+                return  # the stream ends without an end event, as when a connection drops
             open_streams = 2
             while open_streams:
                 item = await queue.get()
@@ -343,7 +353,8 @@ class FakeE2BApp:
         route = self._route_name(scope["method"], path)
         fault = self.state.take_fault(route) if route else None
         if fault is not None:
-            await _respond(send, fault["status"], {"code": fault["status"], "message": fault.get("message", "fault")})
+            message = {"code": fault["status"], "message": fault.get("message", "fault")}
+            await _respond(send, fault["status"], message, fault.get("headers"))
             return
         if path.startswith("/process.Process/"):
             await self.process(scope, receive, send)  # type: ignore[arg-type]
@@ -360,6 +371,8 @@ class FakeE2BApp:
             return path.rsplit("/", 1)[1].lower()
         if path.startswith("/sandboxes/") and path.endswith("/timeout"):
             return "timeout"
+        if path == "/v3/templates":
+            return "template-build"
         return {"POST": "create", "GET": "list", "DELETE": "kill"}.get(method, "") if "sandboxes" in path else path
 
     async def _envd_http(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
@@ -437,6 +450,8 @@ class FakeE2BApp:
             boxes = [self.state.live(i) for i in list(self.state.sandboxes)]
             found = [_listed(b) for b in boxes if b and all(b.metadata.get(k) == v for k, v in wanted.items())]
             await _respond(send, 200, found)
+        elif parts[0] in ("templates", "v3", "v2") and "sandboxes" not in parts:
+            await self._templates(method, parts, receive, send)
         elif len(parts) >= 2 and parts[0] == "sandboxes" and self.state.live(parts[1]) is None:
             await _respond(send, 404, {"code": 404, "message": f"sandbox {parts[1]} not found"})
         elif method == "DELETE" and len(parts) == 2:
@@ -447,6 +462,36 @@ class FakeE2BApp:
             await _respond(send, 204)
         else:
             await _respond(send, 404, {"code": 404, "message": f"no route {method} {scope['path']}"})
+
+    async def _templates(self, method: str, parts: list[str], receive: Receive, send: Send) -> None:
+        """Template builds are recorded, not run: every sandbox runs this host's tools."""
+        templates = self.state.templates
+        if method == "GET" and parts[:2] == ["templates", "aliases"]:
+            found = parts[2] in templates.values()
+            missing = {"code": 404, "message": f"template '{parts[2]}' not found"}
+            await _respond(send, *((200, {"templateID": parts[2], "public": False}) if found else (404, missing)))
+        elif method == "POST" and parts == ["v3", "templates"]:
+            name = json.loads(await _body(receive))["name"]
+            template_id, build_id = "tpl" + secrets.token_hex(4), "build" + secrets.token_hex(4)
+            self.state.builds[build_id] = name
+            reply = {"templateID": template_id, "buildID": build_id, "public": False, "tags": ["default"]}
+            await _respond(send, 202, {**reply, "names": [name], "aliases": [name]})
+        elif method == "GET" and len(parts) == 4 and parts[2] == "files":
+            await _respond(send, 201, {"present": True})
+        elif method == "POST" and len(parts) == 5 and parts[3] == "builds":
+            await _body(receive)
+            await _respond(send, 202)
+        elif method == "GET" and len(parts) == 5 and parts[4] == "status":
+            build_id = parts[3]
+            failed = self.state.take_fault("build-error") is not None
+            if not failed:
+                templates[build_id] = self.state.builds[build_id]
+            status = {"templateID": parts[1], "buildID": build_id, "logs": [], "logEntries": []}
+            if failed:
+                status |= {"status": "error", "reason": {"message": "step 1 failed: injected build error"}}
+            await _respond(send, 200, {"status": "ready", **status})
+        else:
+            await _respond(send, 404, {"code": 404, "message": f"no template route {method} {'/'.join(parts)}"})
 
 
 def main() -> None:

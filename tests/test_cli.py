@@ -60,7 +60,11 @@ def test_plugins_json_lists_builtins() -> None:
     assert set(BUILTIN_PLUGINS) <= set(records)
     assert records["builtin-tasks"]["status"] == "loaded"
     assert set(records["builtin-tasks"]["registered"]) == {"task set:tiny", "task set:folder"}
-    assert records["builtin-sandboxes"]["registered"] == ["sandbox backend:local", "sandbox backend:docker"]
+    assert records["builtin-sandboxes"]["registered"] == [
+        "sandbox backend:local",
+        "sandbox backend:docker",
+        "sandbox backend:e2b",
+    ]
     assert report["conflicts"] == []
 
 
@@ -69,7 +73,7 @@ def test_plugins_table_lists_names_by_kind() -> None:
     assert result.exit_code == 0, result.output
     out = text(result)
     assert "task sets: folder, tiny" in out
-    assert "sandbox backends: docker, local" in out
+    assert "sandbox backends: docker, e2b, local" in out
     assert "builtin-tasks" in out and "loaded" in out
 
 

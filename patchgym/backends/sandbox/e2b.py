@@ -1,6 +1,7 @@
 """E2B sandbox backend on the official `e2b` SDK (`AsyncSandbox`, fully async).
 
-Each sandbox is an E2B microVM created from a template (`spec.image`, else `default_template`)
+Each sandbox is an E2B microVM created from a template (`spec.image`; else the spec's Dockerfile
+built into a template named by its content hash, once; else `default_template`)
 with the spec's env and its labels as metadata, under a lease (the E2B sandbox timeout) that a
 background task renews while the sandbox is open, so a crashed trainer's sandboxes expire on
 their own. Commands go through `commands.run` wrapped in-sandbox with `timeout -k`, so the
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import logging
+import math
 import posixpath
 import random
 import secrets
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from e2b import AsyncSandbox, SandboxQuery
+from e2b import AsyncSandbox, AsyncTemplate, SandboxQuery
 from e2b.exceptions import (
     AuthenticationException,
     BuildException,
@@ -113,6 +116,16 @@ async def _call(what: str, call: Awaitable[T]) -> T:
         raise
     except Exception as exc:
         raise translate_e2b_error(exc, what) from exc
+
+
+def template_name(dockerfile: Path, cpus: int | None, memory_mb: int | None) -> str:
+    """The E2B template name for a Dockerfile: a hash of it, its build context and its resources."""
+    digest = hashlib.sha256(f"{cpus}/{memory_mb}\0".encode())
+    context = dockerfile.parent
+    for path in sorted(p for p in context.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(context).as_posix()}\0".encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return f"patchgym-{digest.hexdigest()[:24]}"
 
 
 def _tar_dir(local_dir: Path) -> tempfile.SpooledTemporaryFile[bytes]:
@@ -281,9 +294,14 @@ class E2BSandboxBackend(SandboxBackend):
     Settings: `api_key`/`domain` (default: E2B_API_KEY / E2B_DOMAIN); `api_url`/`sandbox_url`
     point the SDK at an E2B-compatible server (self-hosted, or the test fake); `default_template`
     is used when a spec names no image; `lease_s` is the sandbox timeout, renewed every
-    `lease_renew_s` (default a third of the lease; 0 turns renewal off); `create_concurrency`
-    bounds creations in flight, each retried up to `create_attempts` times on capacity errors
-    with backoff `backoff_base_s * 2**n` (at most `backoff_max_s`) times a jitter in [0.5, 1.5).
+    `lease_renew_s` (default a third of the lease; 0 turns renewal off). Every REST call is
+    retried by the SDK itself up to `sdk_retries` times on 429/502/503/504, honouring the
+    server's Retry-After; a capacity error that outlasts those becomes a `CapacityError`, and a
+    creation is then tried again, up to `create_attempts` in all, after a backoff of
+    `backoff_base_s * 2**n` (at most `backoff_max_s`) times a jitter in [0.5, 1.5).
+    `create_concurrency` bounds creations in flight. A spec with a Dockerfile and no image runs
+    the template `patchgym-<hash of Dockerfile, context and resources>`, built once (at most
+    `build_concurrency` builds at a time) unless E2B already has it.
     """
 
     name = "e2b"
@@ -297,11 +315,13 @@ class E2BSandboxBackend(SandboxBackend):
         sandbox_url: str | None = None,
         http_version: str | None = None,
         request_timeout_s: float = 60.0,
+        sdk_retries: int = 3,
         default_template: str = "base",
         lease_s: float = 900.0,
         lease_renew_s: float | None = None,
         create_concurrency: int = 16,
         create_attempts: int = 5,
+        build_concurrency: int = 4,
         backoff_base_s: float = 1.0,
         backoff_max_s: float = 30.0,
         kill_grace_s: float = 1.0,
@@ -309,8 +329,10 @@ class E2BSandboxBackend(SandboxBackend):
         transfer_timeout_s: float = 600.0,
         run_id: str | None = None,
     ) -> None:
-        if create_concurrency < 1 or create_attempts < 1:
-            raise ConfigError("e2b backend: create_concurrency and create_attempts must be >= 1")
+        if min(create_concurrency, create_attempts, build_concurrency) < 1 or sdk_retries < 0:
+            raise ConfigError(
+                "e2b backend: create_concurrency, create_attempts and build_concurrency must be >= 1, sdk_retries >= 0"
+            )
         if lease_s < 1 or (lease_renew_s is not None and lease_renew_s < 0):
             raise ConfigError("e2b backend: lease_s must be >= 1 second and lease_renew_s >= 0")
         params = {
@@ -320,6 +342,7 @@ class E2BSandboxBackend(SandboxBackend):
             "sandbox_url": sandbox_url,
             "http_version": http_version,
             "request_timeout": request_timeout_s,
+            "retries": sdk_retries,
         }
         self._api: dict[str, Any] = {key: value for key, value in params.items() if value is not None}
         self.default_template = default_template
@@ -333,7 +356,11 @@ class E2BSandboxBackend(SandboxBackend):
         self.exec_margin_s = exec_margin_s
         self.transfer_timeout_s = transfer_timeout_s
         self.run_id = run_id or secrets.token_hex(6)
+        self.build_concurrency = build_concurrency
         self._creating = asyncio.Semaphore(create_concurrency)
+        self._building = asyncio.Semaphore(build_concurrency)
+        self._build_locks: dict[str, asyncio.Lock] = {}
+        self._built: set[str] = set()
         self._random = random.Random()
 
     def settings(self) -> dict[str, Any]:
@@ -345,6 +372,7 @@ class E2BSandboxBackend(SandboxBackend):
             "lease_renew_s": self.lease_renew_s if self.lease_renew_s is not None else "lease_s/3",
             "create_concurrency": self.create_concurrency,
             "create_attempts": self.create_attempts,
+            "build_concurrency": self.build_concurrency,
             "backoff_base_s": self.backoff_base_s,
             "backoff_max_s": self.backoff_max_s,
             "kill_grace_s": self.kill_grace_s,
@@ -362,12 +390,7 @@ class E2BSandboxBackend(SandboxBackend):
     async def create(self, spec: SandboxSpec) -> E2BSandbox:
         if spec.workspace is not None and not Path(spec.workspace).is_dir():
             raise SandboxStartError(f"workspace {str(spec.workspace)!r} does not exist or is not a directory")
-        if spec.dockerfile is not None and spec.image is None:
-            raise SandboxStartError(
-                "the e2b backend runs prebuilt templates: build the task's Dockerfile into an E2B template "
-                "(e2b template build) and give its name as the task's image",
-                retryable=False,
-            )
+        template = await self._template_for(spec)
         lease_s = spec.lease_s or self.lease_s
         metadata = {LABEL: "1", f"{LABEL}.run": self.run_id, **spec.labels}
         for attempt in range(self.create_attempts):
@@ -376,7 +399,7 @@ class E2BSandboxBackend(SandboxBackend):
                     box = await _call(
                         "creating an E2B sandbox failed",
                         AsyncSandbox.create(
-                            template=spec.image or self.default_template,
+                            template=template,
                             timeout=int(lease_s),
                             metadata=metadata,
                             envs=dict(spec.env),
@@ -402,6 +425,27 @@ class E2BSandboxBackend(SandboxBackend):
             await sandbox.close()
             raise
         return sandbox
+
+    async def _template_for(self, spec: SandboxSpec) -> str:
+        """The template to start: the spec's image, else its Dockerfile built once (by content hash)."""
+        if spec.image or spec.dockerfile is None:
+            return spec.image or self.default_template
+        dockerfile = Path(spec.dockerfile)
+        if not dockerfile.is_file():
+            raise BuildError(f"Dockerfile {str(dockerfile)!r} does not exist")
+        cpus = math.ceil(spec.cpus) if spec.cpus else None
+        name = await asyncio.to_thread(template_name, dockerfile, cpus, spec.memory_mb)
+        async with self._build_locks.setdefault(name, asyncio.Lock()):
+            if name in self._built:
+                return name
+            if not await _call("looking up an E2B template failed", AsyncTemplate.alias_exists(name, **self._api)):
+                builder = AsyncTemplate(file_context_path=dockerfile.parent).from_dockerfile(str(dockerfile))
+                log.info("building E2B template %s from %s", name, dockerfile)
+                async with self._building:
+                    build = AsyncTemplate.build(builder, name, cpu_count=cpus, memory_mb=spec.memory_mb, **self._api)
+                    await _call(f"building E2B template {name} from {dockerfile} failed", build)
+            self._built.add(name)
+        return name
 
     async def reap(self, labels: Mapping[str, str]) -> int:
         query = SandboxQuery(metadata={LABEL: "1", **labels})
