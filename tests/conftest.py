@@ -86,12 +86,29 @@ def make_e2b_backend(**settings: object) -> SandboxBackend:
     return E2BSandboxBackend(api_key="fake", api_url=url, sandbox_url=url, http_version="1.1", **settings)  # type: ignore[arg-type]
 
 
-BACKENDS = ["local-none", "local-bwrap", "docker", "e2b"]
+def make_harbor_backend(**settings: object) -> SandboxBackend:
+    """The harbor backend over tests/harbor_local_env.py; skipped below Python 3.12 (CI runs it in a 3.12 venv)."""
+    if sys.version_info < (3, 12):
+        pytest.skip("Harbor needs Python >= 3.12 (CI tests it in a Python 3.12 virtualenv)")
+    if importlib.util.find_spec("harbor") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("Harbor tests must run in CI: pip install 'patchgym[harbor]'")
+        pytest.skip("harbor is not installed (pip install 'patchgym[harbor]')")
+    if shutil.which("bwrap") is None:
+        pytest.skip("the local Harbor test provider runs commands under bubblewrap, which is not installed")
+    from patchgym.backends.sandbox.harbor import HarborSandboxBackend
+
+    return HarborSandboxBackend(import_path="tests.harbor_local_env:LocalEnvironment", **settings)  # type: ignore[arg-type]
+
+
+BACKENDS = ["local-none", "local-bwrap", "docker", "e2b", "harbor"]
 
 
 def make_backend(kind: str, tmp_path: Path) -> SandboxBackend:
     if kind == "e2b":
         return make_e2b_backend()
+    if kind == "harbor":
+        return make_harbor_backend()
     if kind == "docker":
         require_docker()
         from patchgym.backends.sandbox.docker import DockerSandboxBackend

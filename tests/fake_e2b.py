@@ -7,10 +7,8 @@ end: REST (`POST /v2/sandboxes`, `GET /v2/sandboxes`, `DELETE /sandboxes/{id}`,
 `/files` and `/health` routes. Envd requests are routed to a sandbox by the `E2b-Sandbox-Id`
 header the SDK sends (point the SDK at this server with `api_url` and `sandbox_url`).
 
-A sandbox is a private directory tree (`/workspace`, `/tmp`, `/home` are its own; the rest of
-the host is visible read-only, and this interpreter's environment comes first on PATH) and
-commands run as real processes under bubblewrap, without a pid namespace, so background
-processes outlive their command exactly as in a real sandbox. Lease expiry kills a sandbox.
+A sandbox is a `tests.private_root.PrivateRoot`: its own `/workspace`, `/tmp` and `/home`, the
+host read-only, commands run as real processes under bubblewrap. Lease expiry kills a sandbox.
 Template builds are recorded, not run (a template exists once its build finished). Faults can
 be injected per route through `POST /_fake/faults`.
 
@@ -48,10 +46,9 @@ from e2b.envd.process import process_pb
 from e2b.envd.process.process_connect import Process, ProcessASGIApplication
 from protobuf import Oneof
 
+from tests.private_root import PrivateRoot
+
 ENVD_VERSION = "0.6.7"
-PRIVATE_ROOTS = ("workspace", "tmp", "home")
-_SANDBOX_PATH = f"{os.path.dirname(sys.executable)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-"""The host's tools, this interpreter's environment first: it stands in for a template with Python."""
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -64,29 +61,10 @@ class FakeSandbox:
     template: str
     metadata: dict[str, str]
     envs: dict[str, str]
-    network: bool
-    disk: Path
     started_at: datetime
     end_at: float
+    root: PrivateRoot
     procs: dict[int, asyncio.subprocess.Process] = field(default_factory=dict)
-
-    def host_path(self, path: str) -> Path:
-        """Where a sandbox path lives on the host (private roots map into `disk`)."""
-        path = os.path.normpath("/" + path.lstrip("/")) if path.startswith("/") else f"/home/user/{path}"
-        top = path.strip("/").split("/", 1)[0]
-        return self.disk / path.lstrip("/") if top in PRIVATE_ROOTS else Path(path)
-
-    def argv(self, cmd: str, args: list[str], cwd: str) -> list[str]:
-        binds: list[str] = []
-        for entry in sorted(os.scandir("/"), key=lambda e: e.name):
-            if entry.name in ("proc", "dev", "sys", *PRIVATE_ROOTS):
-                continue
-            binds += ["--symlink", os.readlink(entry.path), entry.path] if entry.is_symlink() else []
-            binds += [] if entry.is_symlink() else ["--ro-bind", entry.path, entry.path]
-        for name in PRIVATE_ROOTS:
-            binds += ["--bind", str(self.disk / name), f"/{name}"]
-        net = [] if self.network else ["--unshare-net"]
-        return ["bwrap", *net, *binds, "--dev", "/dev", "--ro-bind", "/proc", "/proc", "--chdir", cwd, cmd, *args]
 
 
 class FakeE2B:
@@ -109,18 +87,13 @@ class FakeE2B:
     def create(self, body: dict[str, Any]) -> FakeSandbox:
         sandbox_id = "fake" + secrets.token_hex(6)
         disk = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self.root))
-        for name in PRIVATE_ROOTS:
-            (disk / name).mkdir()
-        (disk / "home" / "user").mkdir()
-        # login shells reset PATH from /etc/profile; the sandbox user's profile puts it back
-        (disk / "home" / "user" / ".bash_profile").write_text(f"export PATH={_SANDBOX_PATH}\n")
+        network = bool(body.get("allow_internet_access", True))
         box = FakeSandbox(
             sandbox_id=sandbox_id,
             template=body.get("templateID", "base"),
             metadata=dict(body.get("metadata") or {}),
             envs=dict(body.get("envVars") or {}),
-            network=bool(body.get("allow_internet_access", True)),
-            disk=disk,
+            root=PrivateRoot(disk, sandbox_id, network=network),
             started_at=datetime.now(UTC),
             end_at=time.time() + float(body.get("timeout", 15)),
         )
@@ -131,8 +104,7 @@ class FakeE2B:
         box = self.sandboxes.pop(sandbox_id, None)
         if box is None:
             return False
-        _kill_sandbox_processes(sandbox_id)
-        shutil.rmtree(box.disk, ignore_errors=True)
+        box.root.destroy()
         return True
 
     def live(self, sandbox_id: str | None) -> FakeSandbox | None:
@@ -147,17 +119,6 @@ class FakeE2B:
             await asyncio.sleep(0.5)
             for sandbox_id in list(self.sandboxes):
                 self.live(sandbox_id)
-
-
-def _kill_sandbox_processes(sandbox_id: str) -> None:
-    """Kill every process that carries the sandbox's id in its environment."""
-    marker = f"E2B_SANDBOX_ID={sandbox_id}".encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if marker in (proc / "environ").read_bytes().split(b"\0"):
-                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def _listed(box: FakeSandbox) -> dict[str, Any]:
@@ -191,13 +152,12 @@ class ProcessService(Process):
     async def start(self, request: process_pb.StartRequest, ctx: RequestContext[Any, Any]) -> AsyncIterator[Any]:
         box = self._box(ctx)
         config = request.process
-        env = {"PATH": _SANDBOX_PATH, "HOME": "/home/user", "USER": "user", "LANG": "C.UTF-8"}
-        env |= {**box.envs, **dict(config.envs or {}), "E2B_SANDBOX": "true", "E2B_SANDBOX_ID": box.sandbox_id}
+        env = box.root.env(box.envs, dict(config.envs or {}))
         cwd = config.cwd or "/home/user"
-        if not box.host_path(cwd).is_dir():
+        if not box.root.host_path(cwd).is_dir():
             raise ConnectError(Code.INVALID_ARGUMENT, f"cwd '{cwd}' does not exist")
         proc = await asyncio.create_subprocess_exec(
-            *box.argv(config.cmd, list(config.args), cwd),
+            *box.root.argv(config.cmd, list(config.args), cwd),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -286,7 +246,7 @@ class FilesystemService(Filesystem):
         box = self.state.live(ctx.request_headers.get("e2b-sandbox-id"))
         if box is None:
             raise ConnectError(Code.UNAVAILABLE, "The sandbox was not found")
-        return box.host_path(path)
+        return box.root.host_path(path)
 
     async def stat(self, request: filesystem_pb.StatRequest, ctx: RequestContext[Any, Any]) -> Any:
         host = self._resolve(ctx, request.path)
@@ -384,7 +344,7 @@ class FakeE2BApp:
             await _respond(send, 204)
             return
         query = dict(urllib.parse.parse_qsl(scope["query_string"].decode()))
-        host = box.host_path(query.get("path", ""))
+        host = box.root.host_path(query.get("path", ""))
         if scope["method"] == "GET":
             if not host.is_file():
                 await _respond(send, 404, {"code": 404, "message": f"path '{query.get('path')}' does not exist"})
@@ -404,7 +364,7 @@ class FakeE2BApp:
         if headers.get("content-type") != "application/octet-stream":
             await _respond(send, 400, {"code": 400, "message": "this fake accepts octet-stream uploads only"})
             return
-        if not host.parent.resolve().is_relative_to(box.disk.resolve()):
+        if not box.root.writable(host):
             await _respond(send, 403, {"code": 403, "message": f"permission denied: {query.get('path')}"})
             return
         try:
