@@ -51,8 +51,8 @@ class PrivateRoot:
     def argv(self, cmd: str, args: list[str], cwd: str) -> list[str]:
         binds: list[str] = []
         for entry in sorted(os.scandir("/"), key=lambda e: e.name):
-            if entry.name in ("proc", "dev", "sys", *PRIVATE_ROOTS):
-                continue
+            if entry.name in ("proc", "dev", "sys", "var", "run", *PRIVATE_ROOTS):
+                continue  # /var and /run hold Docker's mounts, which come and go while tests run
             if entry.is_symlink():
                 binds += ["--symlink", os.readlink(entry.path), entry.path]
             else:
@@ -60,7 +60,22 @@ class PrivateRoot:
         for name in PRIVATE_ROOTS:
             binds += ["--bind", str(self.disk / name), f"/{name}"]
         net = [] if self.network else ["--unshare-net"]
-        return ["bwrap", *net, *binds, "--dev", "/dev", "--ro-bind", "/proc", "/proc", "--chdir", cwd, cmd, *args]
+        scratch = ["--tmpfs", "/var", "--tmpfs", "/run"]
+        return [
+            "bwrap",
+            *net,
+            *binds,
+            *scratch,
+            "--dev",
+            "/dev",
+            "--ro-bind",
+            "/proc",
+            "/proc",
+            "--chdir",
+            cwd,
+            cmd,
+            *args,
+        ]
 
     def destroy(self) -> None:
         """Kill every process of the sandbox and delete its files."""

@@ -64,6 +64,7 @@ def test_plugins_json_lists_builtins() -> None:
         "sandbox backend:local",
         "sandbox backend:docker",
         "sandbox backend:e2b",
+        "sandbox backend:harbor",
     ]
     assert report["conflicts"] == []
 
@@ -73,7 +74,7 @@ def test_plugins_table_lists_names_by_kind() -> None:
     assert result.exit_code == 0, result.output
     out = text(result)
     assert "task sets: folder, tiny" in out
-    assert "sandbox backends: docker, e2b, local" in out
+    assert "sandbox backends: docker, e2b, harbor, local" in out
     assert "builtin-tasks" in out and "loaded" in out
 
 

@@ -59,7 +59,8 @@ async def test_timeout_kills_the_whole_process_tree(sandbox: Sandbox) -> None:
 
 
 async def test_background_processes_do_not_outlive_their_command(sandbox: Sandbox) -> None:
-    result = await sandbox.exec("(while true; do echo t >> ticks; sleep 0.05; done) & echo started", timeout_s=30)
+    loop = "(while true; do echo t >> ticks; sleep 0.05; done) & sleep 0.3; echo started"
+    result = await sandbox.exec(loop, timeout_s=30)
     assert result.stdout == "started\n" and result.exit_code == 0
     before = len(await sandbox.read_file("ticks"))
     await asyncio.sleep(0.5)

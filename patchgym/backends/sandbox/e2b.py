@@ -182,19 +182,23 @@ class E2BSandbox(Sandbox):
         token = secrets.token_hex(8)
         stdout, stderr = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
         started = time.perf_counter()
-        handle = await _call(
-            "exec failed",
-            self.box.commands.run(
-                _wrapper(cmd, timeout_s, grace, token),
-                background=True,
-                envs=dict(env or {}),
-                cwd=posixpath.normpath(posixpath.join(self.workdir, cwd or ".")),
-                on_stdout=lambda text: stdout.write(text.encode()),
-                on_stderr=lambda text: stderr.write(text.encode()),
-                timeout=timeout_s + 2 * grace + self._backend.exec_margin_s,
-                retain_output=False,
-            ),
-        )
+        try:
+            handle = await _call(
+                "exec failed",
+                self.box.commands.run(
+                    _wrapper(cmd, timeout_s, grace, token),
+                    background=True,
+                    envs=dict(env or {}),
+                    cwd=posixpath.normpath(posixpath.join(self.workdir, cwd or ".")),
+                    on_stdout=lambda text: stdout.write(text.encode()),
+                    on_stderr=lambda text: stderr.write(text.encode()),
+                    timeout=timeout_s + 2 * grace + self._backend.exec_margin_s,
+                    retain_output=False,
+                ),
+            )
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill_group(token, None))
+            raise
         client_timeout = False
         try:
             code: int | None = (await handle.wait()).exit_code
@@ -225,6 +229,8 @@ class E2BSandbox(Sandbox):
         kill = f"kill -9 -$(cat {_EXEC_DIR}/{token}) 2>/dev/null; rm -f {_EXEC_DIR}/{token}"
         with contextlib.suppress(Exception):
             await self.box.commands.run(kill, timeout=self._backend.exec_margin_s + 5)
+        if handle is None:
+            return
         with contextlib.suppress(Exception):
             await handle.kill()
         with contextlib.suppress(Exception):

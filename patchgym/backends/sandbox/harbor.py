@@ -139,6 +139,7 @@ class HarborSandbox(Sandbox):
         try:
             raw = await asyncio.shield(run)
         except asyncio.CancelledError:
+            run.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved, not raised
             await asyncio.shield(self._kill_group(scratch))
             raise
         duration = time.perf_counter() - started
