@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
+import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -47,10 +52,63 @@ def require_docker() -> None:
     pytest.skip(problem)
 
 
-BACKENDS = ["local-none", "local-bwrap", "docker"]
+def require_fake_e2b() -> str:
+    """The base URL of the local E2B stand-in (tests/fake_e2b.py), started once per session."""
+    problem = None
+    if importlib.util.find_spec("e2b") is None or importlib.util.find_spec("uvicorn") is None:
+        problem = "the e2b SDK or uvicorn is not installed (pip install 'patchgym[e2b,dev]')"
+    elif shutil.which("bwrap") is None:
+        problem = "the E2B stand-in runs commands under bubblewrap, which is not installed"
+    if problem is None:
+        return _fake_e2b_url()
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"E2B tests must run in CI: {problem}")
+    pytest.skip(problem)
+
+
+@functools.cache
+def _fake_e2b_url() -> str:
+    root = Path(__file__).resolve().parent.parent
+    server = subprocess.Popen([sys.executable, "-m", "tests.fake_e2b"], cwd=root, stdout=subprocess.PIPE, text=True)
+    atexit.register(server.terminate)
+    assert server.stdout is not None
+    line = server.stdout.readline()
+    if not line.startswith("listening on "):
+        server.kill()
+        pytest.fail(f"the E2B stand-in did not start (it printed {line!r})")
+    return f"http://127.0.0.1:{int(line.split()[-1])}"
+
+
+def make_e2b_backend(**settings: object) -> SandboxBackend:
+    from patchgym.backends.sandbox.e2b import E2BSandboxBackend
+
+    url = require_fake_e2b()
+    return E2BSandboxBackend(api_key="fake", api_url=url, sandbox_url=url, http_version="1.1", **settings)  # type: ignore[arg-type]
+
+
+def make_harbor_backend(**settings: object) -> SandboxBackend:
+    """The harbor backend over tests/harbor_local_env.py; skipped below Python 3.12 (CI runs it in a 3.12 venv)."""
+    if sys.version_info < (3, 12):
+        pytest.skip("Harbor needs Python >= 3.12 (CI tests it in a Python 3.12 virtualenv)")
+    if importlib.util.find_spec("harbor") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("Harbor tests must run in CI: pip install 'patchgym[harbor]'")
+        pytest.skip("harbor is not installed (pip install 'patchgym[harbor]')")
+    if shutil.which("bwrap") is None:
+        pytest.skip("the local Harbor test provider runs commands under bubblewrap, which is not installed")
+    from patchgym.backends.sandbox.harbor import HarborSandboxBackend
+
+    return HarborSandboxBackend(import_path="tests.harbor_local_env:LocalEnvironment", **settings)  # type: ignore[arg-type]
+
+
+BACKENDS = ["local-none", "local-bwrap", "docker", "e2b", "harbor"]
 
 
 def make_backend(kind: str, tmp_path: Path) -> SandboxBackend:
+    if kind == "e2b":
+        return make_e2b_backend()
+    if kind == "harbor":
+        return make_harbor_backend()
     if kind == "docker":
         require_docker()
         from patchgym.backends.sandbox.docker import DockerSandboxBackend

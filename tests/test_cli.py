@@ -60,7 +60,12 @@ def test_plugins_json_lists_builtins() -> None:
     assert set(BUILTIN_PLUGINS) <= set(records)
     assert records["builtin-tasks"]["status"] == "loaded"
     assert set(records["builtin-tasks"]["registered"]) == {"task set:tiny", "task set:folder", "task set:easy"}
-    assert records["builtin-sandboxes"]["registered"] == ["sandbox backend:local", "sandbox backend:docker"]
+    assert records["builtin-sandboxes"]["registered"] == [
+        "sandbox backend:local",
+        "sandbox backend:docker",
+        "sandbox backend:e2b",
+        "sandbox backend:harbor",
+    ]
     assert report["conflicts"] == []
 
 
@@ -70,7 +75,7 @@ def test_plugins_table_lists_names_by_kind() -> None:
     out = text(result)
     task_sets = re.search(r"task sets: ([\w, -]+?) sandbox backends", out)
     assert task_sets and {"easy", "folder", "synthetic", "tiny"} <= set(task_sets.group(1).split(", "))
-    assert "sandbox backends: docker, local" in out
+    assert "sandbox backends: docker, e2b, harbor, local" in out
     assert "builtin-tasks" in out and "loaded" in out
 
 

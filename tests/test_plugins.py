@@ -119,7 +119,7 @@ def assert_builtins_work(reg: Registry) -> None:
 def test_builtins_register_task_sets_and_sandbox() -> None:
     reg = Registry(entry_point_group=None)
     assert {"easy", "folder", "tiny", "synthetic", "swebench", "swesmith", "harbor"} <= set(reg.names("task_set"))
-    assert reg.names("sandbox") == ["docker", "local"]
+    assert reg.names("sandbox") == ["docker", "e2b", "harbor", "local"]
     recs = records(reg)
     assert set(recs) == set(BUILTIN_PLUGINS)
     assert all(r["status"] == "loaded" and r["error"] is None for r in recs.values())
@@ -411,7 +411,7 @@ def test_disable_plugins_env_can_block_a_builtin(monkeypatch: pytest.MonkeyPatch
     reg = Registry(entry_point_group=None)
     assert records(reg)["builtin-tasks"]["status"] == "disabled"
     assert not {"folder", "tiny"} & set(reg.names("task_set"))
-    assert reg.names("sandbox") == ["docker", "local"]
+    assert reg.names("sandbox") == ["docker", "e2b", "harbor", "local"]
 
 
 def test_plugins_env_allowlist_loads_only_listed_third_party_plugins(

@@ -17,3 +17,16 @@ def register_sandbox_backends(register: Register) -> None:
         LazyFactory("patchgym.backends.sandbox.docker:DockerSandboxBackend", "pip install 'patchgym[docker]'"),
         "Docker containers (network off), warm pool, reaping of leaked containers",
     )
+    register(
+        "e2b",
+        LazyFactory("patchgym.backends.sandbox.e2b:E2BSandboxBackend", "pip install 'patchgym[e2b]'"),
+        "E2B microVMs through the e2b SDK: leases renewed while open, metadata labels, reaping",
+    )
+    register(
+        "harbor",
+        LazyFactory(
+            "patchgym.backends.sandbox.harbor:HarborSandboxBackend",
+            "Harbor needs Python >= 3.12: pip install 'patchgym[harbor]' there",
+        ),
+        "any Harbor environment provider (docker, daytona, modal, e2b, ...); Python >= 3.12",
+    )
