@@ -182,3 +182,18 @@ def test_versions_must_increase() -> None:
     manager = RolloutManager(iter([]), Sim(), RolloutConfig())
     with pytest.raises(ValueError, match="must increase"):
         manager.publish(0)
+
+
+async def test_a_policy_that_never_varies_stalls_with_a_clear_error() -> None:
+    from patchgym.core.rollout import RolloutStalledError
+
+    sim = Sim()
+    sim.reward = lambda task_id, attempt: 0.0
+    manager = RolloutManager(
+        (t for i in range(10**6) for t in tasks(1, f"x{i}-")),
+        sim,
+        RolloutConfig(mode="fully_async", group_size=2, batch_groups=2, max_discards_per_batch=5),
+    )
+    with pytest.raises(RolloutStalledError, match="5 groups in a row .*zero_variance: keep"):
+        await manager.next_batch()
+    await manager.aclose()

@@ -30,12 +30,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from patchgym.core.errors import PatchgymError
 from patchgym.core.tasks import Task
 from patchgym.core.trajectory import Trajectory
 
 Mode = Literal["sync", "one_step_off", "fully_async"]
 EpisodeFn = Callable[[Task], Awaitable[Trajectory]]
 """Runs one episode of a task with the current policy and returns its trajectory."""
+
+
+class RolloutStalledError(PatchgymError):
+    """No usable group could be assembled into a batch (see `max_discards_per_batch`)."""
 
 
 class RolloutConfig(BaseModel):
@@ -52,6 +57,9 @@ class RolloutConfig(BaseModel):
     max_infra_retries: int = Field(2, ge=0, description="retries of a member that hit an infra error")
     min_valid_members: int = Field(2, gt=0, description="a group with fewer valid members is dropped")
     zero_variance: Literal["keep", "drop", "resample"] = "drop"
+    max_discards_per_batch: int = Field(
+        256, gt=0, description="unusable groups tolerated while assembling one batch before giving up"
+    )
 
     @property
     def staleness(self) -> int:
@@ -172,6 +180,7 @@ class RolloutManager:
         waited = time.perf_counter()
         groups: list[Group] = []
         counters_before = Counter(self._counters)
+        discarded = 0
         while len(groups) < self.config.batch_groups:
             group = await self._ready.get()
             if group is None:
@@ -180,6 +189,14 @@ class RolloutManager:
             if self._usable(group):
                 self._unconsumed.pop(id(group), None)
                 groups.append(group)
+                continue
+            discarded += 1
+            if discarded >= self.config.max_discards_per_batch:
+                reasons = {k: v - counters_before[k] for k, v in self._counters.items() if k.startswith("groups_")}
+                raise RolloutStalledError(
+                    f"{discarded} groups in a row could not be used ({reasons}); with rewards that never "
+                    "vary the policy cannot learn: set zero_variance: keep, or use easier tasks"
+                )
         if not groups:
             return None
         metrics = self._metrics(groups, time.perf_counter() - waited, counters_before)
