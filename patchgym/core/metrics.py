@@ -105,10 +105,22 @@ class EventLog:
             sink.write(event)
         return event
 
+    def position(self) -> int:
+        """Bytes written so far: a checkpoint records it so a resumed run can drop later events."""
+        return self._file.tell()
+
     def close(self) -> None:
         self._file.close()
         for sink in self._sinks:
             sink.close()
+
+
+def truncate_events(run_dir: str | Path, position: int) -> None:
+    """Drop the events written after `position` (work a resumed run will do again)."""
+    path = Path(run_dir) / EVENTS_FILE
+    if path.exists() and path.stat().st_size > position:
+        with path.open("r+b") as f:
+            f.truncate(position)
 
 
 def read_events(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:

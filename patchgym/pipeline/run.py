@@ -3,8 +3,9 @@
 Everything goes through the registry (sandbox, inference and trainer backends, task sets) and
 the run directory holds the event log, checkpoints and `state.json`; `--resume` continues a
 run after a crash or SIGKILL from its last checkpoint: finished stages are skipped, GRPO
-continues at the checkpointed step with the same task order, and groups that were running at
-the checkpoint are started again (never trained on twice, never lost).
+continues at the checkpointed step with the same task order, groups that were running at the
+checkpoint are started again, and events written after the checkpoint are dropped before the
+work is redone: no trajectory is trained on twice or lost, and none is logged twice.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from rich.table import Table
 from patchgym.core.batch import Sample, TrainBatch
 from patchgym.core.inference import Generation, SamplingParams
 from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
-from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink
+from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, truncate_events
 from patchgym.core.plugins import registry
 from patchgym.core.rollout import Batch, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
@@ -137,6 +138,7 @@ class Pipeline:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume and self.state_path.exists():
             self.state.update(json.loads(self.state_path.read_text()))
+            truncate_events(self.run_dir, self.state.get("events_offset", 0))
         self.log = EventLog(self.run_dir, self._sinks())
         self.log.emit("run", event="resume" if resume else "start", config=self.config.model_dump(), state=self.state)
         model_path = self._model_path()
@@ -177,6 +179,7 @@ class Pipeline:
         return time.perf_counter() - started
 
     def _save_state(self) -> None:
+        self.state["events_offset"] = self.log.position()
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.state))
         tmp.replace(self.state_path)
