@@ -29,6 +29,7 @@ app.add_typer(tasks_app, name="tasks")
 sandbox_app = typer.Typer(help="Manage sandbox backends.", no_args_is_help=True)
 app.add_typer(env_app, name="env")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(__import__("patchgym.cli_engine", fromlist=["engine_app"]).engine_app, name="engine")
 console = Console()
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -32,6 +32,7 @@ PLUGIN_API_VERSION = 1
 BUILTIN_PLUGINS = {
     "builtin-sandboxes": "patchgym.backends.sandbox.plugin",
     "builtin-tasks": "patchgym.plugins.folder",
+    "builtin-inference": "patchgym.backends.inference.plugin",
 }
 
 Kind = Literal["task_set", "sandbox", "inference", "trainer"]
