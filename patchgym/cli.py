@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from patchgym.core.actions import SUBMIT_SENTINEL
-from patchgym.core.errors import PatchgymError
+from patchgym.core.errors import ConfigError, PatchgymError
 from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
@@ -29,6 +29,8 @@ app.add_typer(tasks_app, name="tasks")
 sandbox_app = typer.Typer(help="Manage sandbox backends.", no_args_is_help=True)
 app.add_typer(env_app, name="env")
 app.add_typer(sandbox_app, name="sandbox")
+model_app = typer.Typer(help="Create models for tests and quickstarts.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
 app.add_typer(__import__("patchgym.cli_engine", fromlist=["engine_app"]).engine_app, name="engine")
 console = Console()
 F = TypeVar("F", bound=Callable[..., Any])
@@ -231,6 +233,21 @@ def sandbox_reap(
             await backend.aclose()
 
     console.print(f"removed {asyncio.run(reap())} sandboxes")
+
+
+@model_app.command("init-tiny")
+@friendly_errors
+def model_init_tiny(
+    directory: Annotated[Path, typer.Argument(help="folder to write the model to (created)")],
+    seed: Annotated[int, typer.Option(help="seed for the random weights and the tokenizer corpus")] = 0,
+) -> None:
+    """Write a tiny random-weight Qwen3 model and a locally trained tokenizer (Hugging Face format)."""
+    try:
+        from patchgym.models.tiny import init_tiny_model
+    except ImportError as exc:
+        raise ConfigError(f"init-tiny needs the train extra: pip install 'patchgym[train]' ({exc})") from exc
+    path = init_tiny_model(directory, seed=seed)
+    console.print(f"wrote a tiny Qwen3 model to {escape(str(path))}")
 
 
 if __name__ == "__main__":

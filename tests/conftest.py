@@ -88,3 +88,24 @@ async def sandbox(backend: SandboxBackend, workspace: Path) -> AsyncIterator[San
 @pytest.fixture(autouse=True)
 def fresh_registry() -> None:
     reset_registry()
+
+
+def require_train_extra() -> None:
+    """Skip outside CI when torch/transformers are missing; in CI (CI=true) that is a failure."""
+    try:
+        import tokenizers  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the train extra must be installed in CI: {exc}")
+        pytest.skip(f"needs pip install 'patchgym[train]' ({exc})")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 model and tokenizer (patchgym.models.tiny), written once per session."""
+    require_train_extra()
+    from patchgym.models.tiny import init_tiny_model
+
+    return init_tiny_model(tmp_path_factory.mktemp("tiny-model"))
