@@ -79,7 +79,8 @@ class SGLangEngine:
         ignore_eos: bool = False,
     ) -> None:
         """`concurrency` sizes the generate connection pool (set it to the rollout concurrency);
-        `ignore_eos` generates to max_new_tokens or the context cap (benchmarks, tests)."""
+        `ignore_eos` generates to max_new_tokens or the context cap (benchmarks, tests).
+        Servers need `--context-length` at least `max_context + 6` (sglang_launch does this)."""
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
             raise ConfigError("the sglang backend needs at least one engine URL (urls=...)")
@@ -310,8 +311,9 @@ class SGLangEngine:
 
     async def _update_from_tensors(self, tensors: Mapping[str, Any], version: int) -> None:
         """Shared-memory handles of the tensors: the engines must run on this host."""
+        from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers tensor reductions
+
         import torch.multiprocessing
-        from torch.multiprocessing.reductions import ForkingPickler
 
         # The default file-descriptor strategy needs a live connection to the receiver, which
         # an HTTP body is not; file-system names survive the trip.

@@ -1,6 +1,7 @@
 """Start SGLang servers with the recommended flags and wait until they are healthy.
 
-One engine per GPU (pinned with `--base-gpu-id`), a hard context cap (`--context-length`),
+One engine per GPU (pinned with `--base-gpu-id`), a hard context cap (`context_length`, the
+`max_context` to give `SGLangEngine`),
 a memory fraction for the KV cache. On CPU (`device="cpu"`) the flags that work without
 CUDA kernels: `--device cpu --attention-backend torch_native --disable-cuda-graph` and a
 `--max-total-tokens` bound on the KV pool (otherwise it takes most of the RAM), with the
@@ -20,6 +21,11 @@ from pathlib import Path
 import httpx
 
 from patchgym.core.errors import ConfigError, SandboxStartError, TransportError
+
+SERVER_CONTEXT_HEADROOM = 8
+"""SGLang admits a prompt only if it is shorter than its context length minus 6 (reserved
+tokens), so servers get this much above the cap; the client (`SGLangEngine.max_context`)
+enforces the cap itself."""
 
 
 class EngineStartError(SandboxStartError):
@@ -79,7 +85,7 @@ def server_command(settings: SGLangLaunchSettings, index: int) -> list[str]:
         "--model-path", str(s.model_path),
         "--host", s.host,
         "--port", str(s.base_port + index),
-        "--context-length", str(s.context_length),
+        "--context-length", str(s.context_length + SERVER_CONTEXT_HEADROOM),
         "--dtype", s.dtype,
         "--weight-version", "0",
     ]  # fmt: skip
