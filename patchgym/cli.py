@@ -250,5 +250,73 @@ def model_init_tiny(
     console.print(f"wrote a tiny Qwen3 model to {escape(str(path))}")
 
 
+@app.command("eval")
+@friendly_errors
+def eval_chat_model(
+    model_url: Annotated[str, typer.Option("--model-url", help="base URL of an OpenAI-compatible API")],
+    task_set: Annotated[str, typer.Option("--task-set", help="a task set name or a folder of tasks")],
+    model: Annotated[str | None, typer.Option(help="model name (default: the first at /v1/models)")] = None,
+    sandbox: SandboxOpt = "local",
+    attempts: Annotated[int, typer.Option(min=1, help="episodes per task (pass@1 is averaged)")] = 1,
+    concurrency: Annotated[int, typer.Option(min=1, help="episodes at once (and HTTP connections)")] = 4,
+    limit: Annotated[int | None, typer.Option(min=1, help="only the first N tasks")] = None,
+    max_turns: Annotated[int, typer.Option(min=1, help="turns per episode")] = 80,
+    max_tokens: Annotated[int, typer.Option(min=1, help="tokens per model reply")] = 4096,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
+    api_key_env: Annotated[str, typer.Option(help="environment variable holding the API key")] = "OPENAI_API_KEY",
+    out: Annotated[Path | None, typer.Option(help="write the full report (every trajectory) as JSON")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Evaluate a chat model (hosted or local, text level) on a task set: pass@1 over the tasks."""
+    from patchgym.backends.inference.openai import OpenAIChatModel
+    from patchgym.envs.chat_eval import evaluate
+
+    tasks = load_task_set(task_set)
+    ids = tasks.ids()[:limit]
+    chat_model = OpenAIChatModel(
+        model_url,
+        model,
+        api_key_env=api_key_env,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        max_connections=concurrency,
+    )
+    backend = registry().create("sandbox", sandbox)
+
+    async def run() -> Any:
+        columns = (TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            bar = progress.add_task("eval", total=len(ids) * attempts)
+            try:
+                return await evaluate(
+                    chat_model,
+                    tasks,
+                    backend,
+                    attempts=attempts,
+                    concurrency=concurrency,
+                    config={"max_turns": max_turns},
+                    task_ids=ids,
+                    on_episode=lambda _: progress.advance(bar),
+                )
+            finally:
+                await chat_model.aclose()
+                await backend.aclose()
+
+    report = asyncio.run(run())
+    if out is not None:
+        out.write_text(json.dumps(report.as_dict(), indent=2))
+    summary = {k: v for k, v in report.as_dict().items() if k != "trajectories"}
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
+    table = Table("task", "rewards", "terminations", title=f"{escape(task_set)} with {escape(model_url)}")
+    for task_id, rewards in report.per_task.items():
+        ends = [t.termination or "-" for t in report.trajectories if t.task_id == task_id]
+        table.add_row(escape(task_id), " ".join(f"{r:g}" for r in rewards) or "-", escape(", ".join(ends)))
+    console.print(table)
+    pass_at_1 = "n/a" if report.pass_at_1 is None else f"{report.pass_at_1:.3f}"
+    console.print(f"pass@1 {pass_at_1} over {len(report.per_task)} tasks; infra errors: {report.infra_errors}")
+
+
 if __name__ == "__main__":
     app()

@@ -99,7 +99,7 @@ def require_train_extra() -> None:
     except ImportError as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the train extra must be installed in CI: {exc}")
-        pytest.skip(f"needs pip install 'patchgym[train]' ({exc})")
+        pytest.skip(f"needs pip install 'patchgym[train]' ({exc})", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")

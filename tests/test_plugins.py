@@ -521,7 +521,7 @@ def test_unknown_name_raises_config_error_listing_known_names() -> None:
     assert "folder" in message and "tiny" in message
     with pytest.raises(ConfigError, match="local"):
         reg.factory("sandbox", "nosuchbox")
-    with pytest.raises(ConfigError, match=r"known: \(none\)"):
+    with pytest.raises(ConfigError, match=r"unknown inference backend 'nosuchengine'; known: "):
         reg.factory("inference", "nosuchengine")
 
 
@@ -545,7 +545,7 @@ def test_create_with_wrong_options_is_a_config_error() -> None:
 def test_runtime_register_adds_a_name() -> None:
     reg = Registry(entry_point_group=None)
     reg.register("inference", "fake", lambda **kw: ("fake", kw))
-    assert reg.names("inference") == ["fake"]
+    assert "fake" in reg.names("inference")
     assert reg.create("inference", "fake", x=1) == ("fake", {"x": 1})
     reg.register("task_set", "tiny", tiny_task_set)
     with pytest.raises(PluginError, match="<runtime>"):

@@ -77,3 +77,10 @@ class BuildError(InfraError):
     """An image or template could not be built or found."""
 
     kind = "build"
+
+
+class EngineError(InfraError):
+    """An inference engine failed or is gone (not a wrong answer of the policy)."""
+
+    kind = "engine"
+    retryable = True

@@ -31,6 +31,7 @@ PLUGIN_API_VERSION = 1
 
 BUILTIN_PLUGINS = {
     "builtin-sandboxes": "patchgym.backends.sandbox.plugin",
+    "builtin-inference": "patchgym.backends.inference.plugin",
     "builtin-tasks": "patchgym.plugins.folder",
     "builtin-inference": "patchgym.backends.inference.plugin",
 }
