@@ -33,7 +33,6 @@ BUILTIN_PLUGINS = {
     "builtin-sandboxes": "patchgym.backends.sandbox.plugin",
     "builtin-inference": "patchgym.backends.inference.plugin",
     "builtin-tasks": "patchgym.plugins.folder",
-    "builtin-inference": "patchgym.backends.inference.plugin",
 }
 
 Kind = Literal["task_set", "sandbox", "inference", "trainer"]
