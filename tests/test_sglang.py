@@ -151,6 +151,23 @@ async def test_concurrent_generations_match_transformers_logprobs(engine: Any, t
         assert max_error(model, prompt, generation) < TOLERANCE
 
 
+async def test_greedy_matches_the_embedded_engine(engine: Any, tiny_model_dir: Path) -> None:
+    """Same weights, same prompts, greedy: the same tokens, log-probs within 1e-3."""
+    from patchgym.backends.inference.embedded import EmbeddedEngine
+
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    embedded = EmbeddedEngine(tiny_model_dir, max_context=MAX_CONTEXT)
+    try:
+        local = await asyncio.gather(*(embedded.generate(p, params) for p in PROMPTS))
+    finally:
+        await embedded.aclose()
+    remote = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+    for ours, theirs in zip(local, remote, strict=True):
+        n = min(len(ours.token_ids), len(theirs.token_ids))  # SGLang also stops at the model's EOS
+        assert n > 0 and list(ours.token_ids[:n]) == list(theirs.token_ids[:n])
+        assert max(abs(a - b) for a, b in zip(ours.logprobs[:n], theirs.logprobs[:n], strict=True)) < TOLERANCE
+
+
 async def test_stop_token_ends_the_turn(engine: Any) -> None:
     first = await engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=16, temperature=0.0))
     stop = first.token_ids[3]
@@ -268,13 +285,19 @@ async def test_refused_weight_update_is_an_error(engine: Any, tmp_path: Path) ->
 
 
 # -- OpenAI-compatible route on the same server -----------------------------------------------
-async def test_openai_chat_completions(sglang_url: str) -> None:
+async def test_openai_chat_completions(sglang_url: str, tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "fix the bug"}]
+    prompt = AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(messages, add_generation_prompt=True)
     async with httpx.AsyncClient(base_url=sglang_url, timeout=60) as client:
         response = await client.post(
             "/v1/chat/completions",
-            json={"model": "default", "messages": [{"role": "user", "content": "fix the bug"}], "max_tokens": 8},
+            json={"model": "default", "messages": messages, "max_tokens": 8},
         )
     assert response.status_code == 200, response.text
     body = response.json()
     assert isinstance(body["choices"][0]["message"]["content"], str)
     assert 0 < body["usage"]["completion_tokens"] <= 8
+    prompt_ids = prompt["input_ids"] if isinstance(prompt, Mapping) else prompt
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)  # the server applied the model's chat template
