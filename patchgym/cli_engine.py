@@ -40,6 +40,7 @@ def launch_sglang_cmd(
     max_total_tokens: Annotated[
         int, typer.Option(help="KV pool size in tokens (0: SGLang decides; required on CPU)")
     ] = 0,
+    dtype: Annotated[str, typer.Option(help="weights/activations dtype (auto, float32, bfloat16, ...)")] = "auto",
     log_dir: Annotated[Path, typer.Option(help="where server logs go")] = Path("sglang-logs"),
     health_timeout: Annotated[float, typer.Option(help="seconds to wait for /health")] = 600.0,
 ) -> None:
@@ -63,6 +64,7 @@ def launch_sglang_cmd(
             context_length=context_length,
             mem_fraction_static=mem_fraction if device == "cuda" else None,
             max_total_tokens=max_total_tokens or (65536 if device == "cpu" else None),
+            dtype=dtype,
             stubs_dir=stubs,
             health_timeout_s=health_timeout,
         )

@@ -221,3 +221,70 @@ def test_registered_as_inference_backend(fake: FakeSGLang) -> None:
 
     engine = registry().create("inference", "sglang", urls=fake.url, max_context=64)
     assert isinstance(engine, SGLangEngine) and engine.max_context == 64
+
+
+def test_launch_command_flags(tmp_path: Any) -> None:
+    from patchgym.backends.inference.sglang_launch import (
+        SERVER_CONTEXT_HEADROOM,
+        SGLangLaunchSettings,
+        server_command,
+        server_env,
+    )
+
+    gpu = SGLangLaunchSettings(model_path=tmp_path, gpus=(2, 3), base_port=31000, context_length=8192)
+    commands = [server_command(gpu, i) for i in range(2)]
+    for index, cmd in enumerate(commands):
+        flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
+        assert flags["--port"] == str(31000 + index) and flags["--base-gpu-id"] == str(2 + index)
+        assert flags["--context-length"] == str(8192 + SERVER_CONTEXT_HEADROOM)
+        assert flags["--mem-fraction-static"] == "0.85" and "--device" not in flags
+    stubs = tmp_path / "stubs"
+    cpu = SGLangLaunchSettings(
+        model_path=tmp_path, device="cpu", max_total_tokens=4096, mem_fraction_static=None, stubs_dir=stubs
+    )
+    cmd = server_command(cpu, 0)
+    assert cmd[cmd.index("--device") + 1] == "cpu" and "--disable-cuda-graph" in cmd
+    assert cmd[cmd.index("--attention-backend") + 1] == "torch_native"
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "4096" and "--base-gpu-id" not in cmd
+    assert server_env(cpu)["PYTHONPATH"].split(":")[0] == str(stubs)
+    with pytest.raises(ConfigError, match="max_total_tokens"):
+        SGLangLaunchSettings(model_path=tmp_path, device="cpu")
+    with pytest.raises(ConfigError, match="device"):
+        SGLangLaunchSettings(model_path=tmp_path, device="tpu")
+
+
+def test_cpu_requirements_drop_cuda_packages(tmp_path: Any) -> None:
+    from patchgym.backends.inference.sglang_venv import cpu_requirements
+
+    meta = tmp_path / "sglang-0.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sglang\nVersion: 0.0\n"
+        "Requires-Dist: fastapi\nRequires-Dist: torch==2.14.1\nRequires-Dist: sglang-kernel==0.4.10\n"
+        "Requires-Dist: flashinfer_python[cu13]==0.7.2\nRequires-Dist: cuda-python>=13.0\n"
+        'Requires-Dist: transformers==5.19.0\nRequires-Dist: pytest; extra == "test"\n'
+        'Requires-Dist: decord2; sys_platform == "win32"\n'
+    )
+    assert cpu_requirements(meta) == ["fastapi", "transformers==5.19.0"]
+
+
+def test_stub_modules_import_and_refuse_use(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from patchgym.backends.inference.sglang_venv import write_stubs
+
+    write_stubs(tmp_path)
+    code = (
+        "from torchvision.transforms import InterpolationMode\n"
+        "from sgl_kernel.flash_attn import flash_attn_varlen_func\n"
+        "import sgl_kernel\n"
+        "print(InterpolationMode.BICUBIC)\n"
+        "try:\n    sgl_kernel.copy_all_layer_kv_cache_cpu(1)\n"
+        "except NotImplementedError as e:\n    print('refused', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path)}
+    )
+    assert out.returncode == 0, out.stderr
+    assert "InterpolationMode.BICUBIC" in out.stdout and "refused sgl_kernel.copy_all_layer_kv_cache_cpu" in out.stdout
