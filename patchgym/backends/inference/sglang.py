@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import itertools
 import uuid
@@ -23,16 +24,17 @@ from typing import Any, Literal
 
 import httpx
 
-from patchgym.core.errors import ConfigError, InfraError, TransportError
+from patchgym.core.errors import ConfigError, EngineError, InfraError, TransportError
 from patchgym.core.inference import FinishReason, Generation, SamplingParams
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class WeightUpdateError(InfraError):
+class WeightUpdateError(EngineError):
     """An engine refused or failed a weight update."""
 
     kind = "weight_update"
+    retryable = False
 
 
 @dataclass(frozen=True)
@@ -156,8 +158,10 @@ class SGLangEngine:
 
     @staticmethod
     def _check(response: httpx.Response, what: str) -> Any:
+        """The JSON body; a refusal is a `WeightUpdateError` for weight routes, else `EngineError`."""
         if response.status_code >= 400:
-            raise WeightUpdateError(f"SGLang {what} was refused (HTTP {response.status_code}): {response.text[:500]}")
+            error = WeightUpdateError if "weight" in what else EngineError
+            raise error(f"SGLang {what} was refused (HTTP {response.status_code}): {response.text[:500]}")
         return response.json() if response.content else None
 
     async def _all(self, method: str, path: str, *, json: Any = None, what: str = "") -> list[Any]:
@@ -201,7 +205,8 @@ class SGLangEngine:
         try:
             response = await self._request(self._client, "POST", url + "/generate", json=body)
         except asyncio.CancelledError:
-            await asyncio.shield(self._abort_on(url, rid))
+            with contextlib.suppress(InfraError):  # the engine may be gone: the cancellation still stands
+                await asyncio.shield(self._abort_on(url, rid))
             raise
         finally:
             self._outstanding[url] -= 1
@@ -318,6 +323,7 @@ class SGLangEngine:
         # The default file-descriptor strategy needs a live connection to the receiver, which
         # an HTTP body is not; file-system names survive the trip.
         torch.multiprocessing.set_sharing_strategy("file_system")
+        # `named` keeps the shared tensors alive until every engine has copied them (the calls below).
         named = [(name, tensor.detach().contiguous()) for name, tensor in tensors.items()]
         buffer = io.BytesIO()
         ForkingPickler(buffer).dump(named)
@@ -328,7 +334,6 @@ class SGLangEngine:
             await self._all("POST", "/update_weights_from_tensor", json=body, what="update_weights_from_tensor")
         finally:
             await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
-        del named  # the tensors had to stay alive until every engine copied them
 
     async def _update_distributed(self, weights: DistributedWeights, version: int) -> None:
         from patchgym.backends.inference.weight_group import WeightBroadcaster
@@ -354,10 +359,13 @@ class SGLangEngine:
             self._request(self._control, "POST", u + "/init_weights_update_group", json=b, retry=False)
             for u, b in zip(self.urls, init, strict=True)
         ]
-        joined = asyncio.gather(*calls)
-        await asyncio.to_thread(broadcaster.join)
-        for response in await joined:
+        joining = asyncio.ensure_future(asyncio.to_thread(broadcaster.join))
+        # Engines answer once the group has formed, or at once if they refuse; a refusal leaves
+        # our rendezvous to time out in its thread (after `timeout_s`), so it is not awaited.
+        joining.add_done_callback(lambda task: task.cancelled() or task.exception())
+        for response in await asyncio.gather(*calls):
             self._check(response, "init_weights_update_group")
+        await joining
         try:
             body = {
                 "names": list(tensors),
