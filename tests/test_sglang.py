@@ -296,20 +296,21 @@ async def test_refused_weight_update_is_an_error(engine: Any, tmp_path: Path) ->
     assert (await engine.generate([5, 6], SamplingParams(max_new_tokens=2))).weight_version != 9
 
 
-# -- OpenAI-compatible route on the same server -----------------------------------------------
-async def test_openai_chat_completions(sglang_url: str, tiny_model_dir: Path) -> None:
+# -- OpenAI-compatible client on the same server ------------------------------------------------
+async def test_openai_chat_client_against_sglang(sglang_url: str, tiny_model_dir: Path) -> None:
+    """patchgym's OpenAI-compatible client (the eval path) on the same server's /v1 routes."""
     from transformers import AutoTokenizer
+
+    from patchgym.backends.inference.openai import OpenAIChatModel
 
     messages = [{"role": "user", "content": "fix the bug"}]
     prompt = AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(messages, add_generation_prompt=True)
-    async with httpx.AsyncClient(base_url=sglang_url, timeout=60) as client:
-        response = await client.post(
-            "/v1/chat/completions",
-            json={"model": "default", "messages": messages, "max_tokens": 8},
-        )
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert isinstance(body["choices"][0]["message"]["content"], str)
-    assert 0 < body["usage"]["completion_tokens"] <= 8
     prompt_ids = prompt["input_ids"] if isinstance(prompt, Mapping) else prompt
-    assert body["usage"]["prompt_tokens"] == len(prompt_ids)  # the server applied the model's chat template
+    client = OpenAIChatModel(sglang_url, max_tokens=8, temperature=0.0)  # model name from /v1/models
+    try:
+        reply = await client.complete(messages)
+    finally:
+        await client.aclose()
+    assert isinstance(reply.text, str) and reply.finish_reason in ("stop", "length")
+    assert 0 < (reply.completion_tokens or 0) <= 8
+    assert reply.prompt_tokens == len(prompt_ids)  # the server applied the model's chat template
