@@ -34,6 +34,7 @@ app.add_typer(env_app, name="env")
 app.add_typer(sandbox_app, name="sandbox")
 model_app = typer.Typer(help="Create models for tests and quickstarts.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+app.add_typer(__import__("patchgym.cli_engine", fromlist=["engine_app"]).engine_app, name="engine")
 console = Console()
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -12,3 +12,8 @@ def register_inference_backends(register: Register) -> None:
         LazyFactory("patchgym.backends.inference.embedded:EmbeddedEngine", "pip install 'patchgym[train]'"),
         "a transformers model in this process, continuous batching with a KV cache",
     )
+    register(
+        "sglang",
+        LazyFactory("patchgym.backends.inference.sglang:SGLangEngine"),
+        "SGLang servers over HTTP (native API), several URLs or a router",
+    )

@@ -1,0 +1,399 @@
+"""SGLang inference backend: an async client for SGLang's native HTTP API.
+
+Token in, token out: `/generate` with `input_ids` and `return_logprob`, reading the sampled
+tokens and their log-probs from `meta_info.output_token_logprobs`. Several engine URLs are
+balanced by least outstanding requests (or give one SGLang router URL). Weights are updated
+from a directory (`/update_weights_from_disk`), from tensors (`/update_weights_from_tensor`,
+shared memory, same host) or over a process group (`/update_weights_from_distributed`, the
+trainer is rank 0; see `DistributedWeights`). Routes and fields follow sglang 0.5.23
+(`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import itertools
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from patchgym.core.errors import ConfigError, EngineError, InfraError, TransportError
+from patchgym.core.inference import FinishReason, Generation, SamplingParams
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class WeightUpdateError(EngineError):
+    """An engine refused or failed a weight update."""
+
+    kind = "weight_update"
+    retryable = False
+
+
+@dataclass(frozen=True)
+class DistributedWeights:
+    """Weights to broadcast over a process group, the trainer being rank 0.
+
+    `tensors` maps parameter names (the Hugging Face names the engine loads) to tensors on
+    the trainer's device. The group uses gloo for CPU tensors and NCCL for CUDA tensors unless
+    `backend` says otherwise. `master_address`/`master_port` is where the trainer listens.
+    """
+
+    tensors: Mapping[str, Any]
+    master_address: str = "127.0.0.1"
+    master_port: int = 29555
+    backend: str | None = None
+    group_name: str = "patchgym_weight_update"
+    timeout_s: float = 300.0
+
+
+def _weight_version(value: Any) -> int:
+    """SGLang keeps `weight_version` as a string ("default" before any update)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+class SGLangEngine:
+    """An `InferenceEngine` backed by one or more SGLang servers (or one router)."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        max_context: int,
+        concurrency: int = 64,
+        control_connections: int = 4,
+        request_timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        weight_update_timeout_s: float = 600.0,
+        retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        pause_mode: PauseMode = "retract",
+        ignore_eos: bool = False,
+    ) -> None:
+        """`concurrency` sizes the generate connection pool (set it to the rollout concurrency);
+        `ignore_eos` generates to max_new_tokens or the context cap (benchmarks, tests).
+        Servers need `--context-length` at least `max_context + 6` (sglang_launch does this)."""
+        url_list = [urls] if isinstance(urls, str) else list(urls)
+        if not url_list:
+            raise ConfigError("the sglang backend needs at least one engine URL (urls=...)")
+        if max_context <= 0 or concurrency <= 0 or control_connections <= 0 or retries < 0:
+            raise ConfigError("max_context, concurrency and control_connections must be > 0 and retries >= 0")
+        if pause_mode not in ("abort", "retract", "in_place"):
+            raise ConfigError(f"pause_mode must be abort, retract or in_place, not {pause_mode!r}")
+        self.urls = [u.rstrip("/") for u in url_list]
+        self.max_context = max_context
+        self.concurrency = concurrency
+        self.control_connections = control_connections
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.weight_update_timeout_s = weight_update_timeout_s
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self.pause_mode = pause_mode
+        self.ignore_eos = ignore_eos
+        # Generations get their own pool, sized to the rollout concurrency; control calls
+        # (pause, abort, weight updates) get another, so they are never stuck behind them.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        )
+        self._control = httpx.AsyncClient(
+            timeout=httpx.Timeout(weight_update_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=control_connections),
+        )
+        self._outstanding = dict.fromkeys(self.urls, 0)
+        self._turn = itertools.count()
+        self._rid_url: dict[str, str] = {}
+        self._version = 0
+
+    def settings(self) -> dict[str, Any]:
+        """Every limit this client applies."""
+        return {
+            "urls": list(self.urls),
+            "max_context": self.max_context,
+            "concurrency": self.concurrency,
+            "control_connections": self.control_connections,
+            "request_timeout_s": self.request_timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
+            "weight_update_timeout_s": self.weight_update_timeout_s,
+            "retries": self.retries,
+            "retry_backoff_s": self.retry_backoff_s,
+            "pause_mode": self.pause_mode,
+            "ignore_eos": self.ignore_eos,
+        }
+
+    @property
+    def outstanding(self) -> dict[str, int]:
+        """In-flight generate requests per engine URL."""
+        return dict(self._outstanding)
+
+    # -- HTTP ------------------------------------------------------------------------------
+    async def _request(
+        self, client: httpx.AsyncClient, method: str, url: str, *, json: Any = None, retry: bool = True
+    ) -> httpx.Response:
+        """One call; transport faults and 5xx are retried, then raised as `TransportError`."""
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
+            try:
+                response = await client.request(method, url, json=json)
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 500:
+                    return response
+                problem = f"HTTP {response.status_code}: {response.text[:300]}"
+            if attempt + 1 < attempts:
+                await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+        raise TransportError(f"SGLang {method} {url} failed after {attempts} attempt(s): {problem}")
+
+    @staticmethod
+    def _check(response: httpx.Response, what: str) -> Any:
+        """The JSON body; a refusal is a `WeightUpdateError` for weight routes, else `EngineError`."""
+        if response.status_code >= 400:
+            error = WeightUpdateError if "weight" in what else EngineError
+            raise error(f"SGLang {what} was refused (HTTP {response.status_code}): {response.text[:500]}")
+        return response.json() if response.content else None
+
+    async def _all(self, method: str, path: str, *, json: Any = None, what: str = "") -> list[Any]:
+        """The same control call on every engine, concurrently."""
+        responses = await asyncio.gather(
+            *(self._request(self._control, method, u + path, json=json) for u in self.urls)
+        )
+        return [self._check(r, what or path) for r in responses]
+
+    # -- generation ------------------------------------------------------------------------
+    def _pick(self) -> str:
+        least = min(self._outstanding.values())
+        candidates = [u for u in self.urls if self._outstanding[u] == least]
+        return candidates[next(self._turn) % len(candidates)]
+
+    async def generate(
+        self, input_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None
+    ) -> Generation:
+        """Continue `input_ids`; `request_id` lets `abort(request_id)` cancel it."""
+        budget = self.max_context - len(input_ids)
+        if budget <= 0:
+            return Generation((), (), "context", self._version, {"prompt_tokens": float(len(input_ids))})
+        max_new = min(params.max_new_tokens, budget)
+        sampling: dict[str, Any] = {
+            "max_new_tokens": max_new,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stop_token_ids": list(params.stop_token_ids),
+        }
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        if self.ignore_eos:
+            if params.stop_token_ids:
+                raise ConfigError("ignore_eos=True makes SGLang ignore stop_token_ids too; drop one of them")
+            sampling["ignore_eos"] = True
+        rid = request_id or uuid.uuid4().hex
+        body = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True, "rid": rid}
+        url = self._pick()
+        self._outstanding[url] += 1
+        self._rid_url[rid] = url
+        try:
+            response = await self._request(self._client, "POST", url + "/generate", json=body)
+        except asyncio.CancelledError:
+            with contextlib.suppress(InfraError):  # the engine may be gone: the cancellation still stands
+                await asyncio.shield(self._abort_on(url, rid))
+            raise
+        finally:
+            self._outstanding[url] -= 1
+            self._rid_url.pop(rid, None)
+        if response.status_code >= 400:
+            raise ConfigError(
+                f"SGLang rejected the generate request (HTTP {response.status_code}): {response.text[:500]}"
+            )
+        return self._parse(response.json(), max_new, params.max_new_tokens)
+
+    def _parse(self, out: Mapping[str, Any], max_new: int, asked: int) -> Generation:
+        meta = out["meta_info"]
+        entries = meta.get("output_token_logprobs") or []
+        token_ids = [int(e[1]) for e in entries]
+        logprobs = [float(e[0]) for e in entries]
+        if token_ids != list(out.get("output_ids", token_ids)):
+            raise TransportError("SGLang returned output_ids that disagree with output_token_logprobs")
+        finish = (meta.get("finish_reason") or {}).get("type")
+        reason: FinishReason
+        if finish == "abort":
+            reason = "abort"
+        elif finish == "length":
+            reason = "context" if max_new < asked and len(token_ids) >= max_new else "length"
+        elif finish == "stop":
+            reason = "stop"
+        else:
+            raise TransportError(f"SGLang returned an unknown finish_reason {meta.get('finish_reason')!r}")
+        version = _weight_version(meta.get("weight_version"))
+        metrics = {
+            k: float(meta[k])
+            for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency")
+            if isinstance(meta.get(k), int | float)
+        }
+        return Generation(token_ids, logprobs, reason, version, metrics)
+
+    async def _abort_on(self, url: str, rid: str) -> None:
+        response = await self._request(self._control, "POST", url + "/abort_request", json={"rid": rid})
+        self._check(response, "abort_request")
+
+    async def abort(self, request_id: str) -> None:
+        """Abort one in-flight request; its `generate` returns finish_reason "abort"."""
+        url = self._rid_url.get(request_id)
+        for target in [url] if url else self.urls:
+            await self._abort_on(target, request_id)
+
+    async def abort_all(self) -> None:
+        await self._all("POST", "/abort_request", json={"rid": "", "abort_all": True})
+
+    # -- control ---------------------------------------------------------------------------
+    async def pause(self) -> None:
+        await self._all("POST", "/pause_generation", json={"mode": self.pause_mode})
+
+    async def resume(self) -> None:
+        await self._all("POST", "/continue_generation", json={})
+
+    async def flush_cache(self) -> bool:
+        """Drop the prefix caches; False if an engine is busy (SGLang refuses while requests run)."""
+        responses = await asyncio.gather(*(self._request(self._control, "POST", u + "/flush_cache") for u in self.urls))
+        return all(r.status_code == 200 for r in responses)
+
+    async def health(self) -> dict[str, bool]:
+        """Whether each engine answers `/health` (a one-token generation) with 200."""
+
+        async def one(url: str) -> bool:
+            try:
+                return (await self._control.get(url + "/health")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        return dict(zip(self.urls, await asyncio.gather(*(one(u) for u in self.urls)), strict=True))
+
+    async def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
+        """Wait until every engine is healthy, or raise `TransportError`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            state = await self.health()
+            if all(state.values()):
+                return
+            if loop.time() > deadline:
+                down = ", ".join(u for u, ok in state.items() if not ok)
+                raise TransportError(f"SGLang engines not healthy after {timeout_s:.0f} s: {down}")
+            await asyncio.sleep(poll_s)
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        return await self._all("GET", "/model_info")
+
+    # -- weights ---------------------------------------------------------------------------
+    async def update_weights(self, weights: Any, *, version: int) -> None:
+        """Load new weights: a directory (str/Path), a name->tensor mapping, or `DistributedWeights`."""
+        if isinstance(weights, str | Path):
+            await self._update_from_disk(str(weights), version)
+        elif isinstance(weights, DistributedWeights):
+            await self._update_distributed(weights, version)
+        elif isinstance(weights, Mapping):
+            await self._update_from_tensors(weights, version)
+        else:
+            raise ConfigError(
+                f"cannot update SGLang weights from {type(weights).__name__}: give a checkpoint directory, "
+                "a name->tensor mapping or DistributedWeights"
+            )
+        self._version = version
+
+    async def _update_from_disk(self, path: str, version: int) -> None:
+        body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
+        await self._all("POST", "/update_weights_from_disk", json=body, what="update_weights_from_disk")
+
+    async def _update_from_tensors(self, tensors: Mapping[str, Any], version: int) -> None:
+        """Shared-memory handles of the tensors: the engines must run on this host."""
+        from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers tensor reductions
+
+        import torch.multiprocessing
+
+        # The default file-descriptor strategy needs a live connection to the receiver, which
+        # an HTTP body is not; file-system names survive the trip.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        # `named` keeps the shared tensors alive until every engine has copied them (the calls below).
+        named = [(name, tensor.detach().contiguous()) for name, tensor in tensors.items()]
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(named)
+        payload = base64.b64encode(buffer.getvalue()).decode()
+        body = {"serialized_named_tensors": [payload], "weight_version": str(version), "flush_cache": True}
+        await self._all("POST", "/begin_weight_update", json={}, what="begin_weight_update")
+        try:
+            await self._all("POST", "/update_weights_from_tensor", json=body, what="update_weights_from_tensor")
+        finally:
+            await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
+
+    async def _update_distributed(self, weights: DistributedWeights, version: int) -> None:
+        from patchgym.backends.inference.weight_group import WeightBroadcaster
+
+        tensors = {name: t.detach().contiguous() for name, t in weights.tensors.items()}
+        backend = weights.backend or ("nccl" if any(t.is_cuda for t in tensors.values()) else "gloo")
+        world_size = len(self.urls) + 1  # one rank per engine (tp=1 each) plus the trainer
+        broadcaster = WeightBroadcaster(
+            weights.master_address, weights.master_port, world_size, backend, weights.group_name, weights.timeout_s
+        )
+        init = [
+            {
+                "master_address": weights.master_address,
+                "master_port": weights.master_port,
+                "rank_offset": 1 + i,
+                "world_size": world_size,
+                "group_name": weights.group_name,
+                "backend": backend,
+            }
+            for i in range(len(self.urls))
+        ]
+        calls = [
+            self._request(self._control, "POST", u + "/init_weights_update_group", json=b, retry=False)
+            for u, b in zip(self.urls, init, strict=True)
+        ]
+        joining = asyncio.ensure_future(asyncio.to_thread(broadcaster.join))
+        # Engines answer once the group has formed, or at once if they refuse; a refusal leaves
+        # our rendezvous to time out in its thread (after `timeout_s`), so it is not awaited.
+        joining.add_done_callback(lambda task: task.cancelled() or task.exception())
+        for response in await asyncio.gather(*calls):
+            self._check(response, "init_weights_update_group")
+        await joining
+        try:
+            body = {
+                "names": list(tensors),
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                "shapes": [list(t.shape) for t in tensors.values()],
+                "group_name": weights.group_name,
+                "weight_version": str(version),
+                "flush_cache": True,
+            }
+            await self._all("POST", "/begin_weight_update", json={}, what="begin_weight_update")
+            try:
+                update = asyncio.gather(
+                    *(
+                        self._request(
+                            self._control, "POST", u + "/update_weights_from_distributed", json=body, retry=False
+                        )
+                        for u in self.urls
+                    )
+                )
+                await asyncio.to_thread(broadcaster.broadcast, list(tensors.values()))
+                for response in await update:
+                    self._check(response, "update_weights_from_distributed")
+            finally:
+                await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
+        finally:
+            await self._all("POST", "/destroy_weights_update_group", json={"group_name": weights.group_name})
+            broadcaster.close()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+        await self._control.aclose()

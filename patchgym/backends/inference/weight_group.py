@@ -1,0 +1,68 @@
+"""The trainer's end of SGLang's weight-update process group.
+
+SGLang's `/init_weights_update_group` has each engine rank join a named torch.distributed
+group through a TCP rendezvous at the trainer (rank 0), with the keys prefixed by the group
+name, outside the default process group. This joins the same group from the trainer, so the
+trainer's own distributed setup (if any) is untouched. Blocking calls: run them in a thread.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from patchgym.core.errors import TransportError
+
+
+class WeightBroadcaster:
+    """Rank 0 of a `world_size` group named `group_name` (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(
+        self, master_address: str, master_port: int, world_size: int, backend: str, group_name: str, timeout_s: float
+    ) -> None:
+        self.init_method = f"tcp://{master_address}:{master_port}"
+        self.world_size = world_size
+        self.backend = backend
+        self.group_name = group_name
+        self.timeout = timedelta(seconds=timeout_s)
+        self._group: Any = None
+
+    def join(self) -> None:
+        """Rendezvous with every engine rank; returns once the group exists."""
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            store, rank, _ = next(c10d.rendezvous(self.init_method, 0, self.world_size, timeout=self.timeout))
+            store.set_timeout(self.timeout)
+            group, _ = c10d._new_process_group_helper(
+                self.world_size,
+                rank,
+                [],
+                c10d.Backend(self.backend),
+                c10d.PrefixStore(self.group_name, store),
+                group_name=self.group_name,
+                timeout=self.timeout,
+            )
+        except (RuntimeError, TimeoutError, ValueError) as exc:
+            raise TransportError(f"the weight-update group {self.group_name!r} did not form: {exc}") from exc
+        c10d._world.pg_group_ranks[group] = {i: i for i in range(self.world_size)}
+        self._group = group
+
+    def broadcast(self, tensors: list[Any]) -> None:
+        """Send each tensor from rank 0, in the order the engines were told."""
+        import torch.distributed as dist
+
+        if self._group is None:
+            raise RuntimeError("join() the weight-update group before broadcasting")
+        try:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0, group=self._group)
+        except RuntimeError as exc:
+            raise TransportError(f"broadcasting weights over {self.group_name!r} failed: {exc}") from exc
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
