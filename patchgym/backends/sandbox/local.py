@@ -50,7 +50,9 @@ T = TypeVar("T")
 
 _ROOT_PREFIX = "patchgym-"
 _LABELS_FILE = "labels.json"
-_HIDDEN_FROM_BWRAP = {"proc", "dev", "sys", "tmp"}
+_HIDDEN_FROM_BWRAP = {"proc", "dev", "sys", "tmp", "run", "var"}
+"""Not exposed: /var and /run hold other programs' mounts (Docker's among them), which can
+change while bubblewrap binds them; sandboxes get an empty /var/tmp instead."""
 
 
 def _bwrap_works() -> bool:
@@ -165,7 +167,7 @@ class LocalSandbox(Sandbox):
         if not self._spec.network:
             args.append("--unshare-net")
         args += self._backend.root_binds(self._spec.workdir)
-        args += ["--dev", "/dev", "--proc", "/proc"]
+        args += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/var/tmp"]
         args += ["--bind", str(self._root / "work"), self._spec.workdir, "--bind", str(self._root / "tmp"), "/tmp"]
         return [*args, "--chdir", cwd, "--", *shell]
 
