@@ -59,6 +59,8 @@ class PrivateRoot:
                 binds += ["--ro-bind", entry.path, entry.path]
         for name in PRIVATE_ROOTS:
             binds += ["--bind", str(self.disk / name), f"/{name}"]
+        if Path(sys.prefix).parts[1] in (*PRIVATE_ROOTS, "var", "run"):  # the test venv lives in a hidden root
+            binds += ["--ro-bind", sys.prefix, sys.prefix]
         net = [] if self.network else ["--unshare-net"]
         scratch = ["--tmpfs", "/var", "--tmpfs", "/run"]
         return [

@@ -154,10 +154,10 @@ async def test_train_step_does_not_block_the_event_loop(model_dir: Path) -> None
 
     task = asyncio.create_task(ticker())
     started = time.perf_counter()
-    await trainer.train_step(batch, SFTLoss())
-    elapsed = time.perf_counter() - started
+    while time.perf_counter() - started < 0.2:  # enough training time for a blocked loop to show
+        await trainer.train_step(batch, SFTLoss())
     task.cancel()
-    assert elapsed > 0.05 and ticks >= 3
+    assert ticks >= 10
 
 
 def test_registered_as_trainer_backend(model_dir: Path) -> None:

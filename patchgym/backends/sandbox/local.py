@@ -169,6 +169,8 @@ class LocalSandbox(Sandbox):
         args += self._backend.root_binds(self._spec.workdir)
         args += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/var/tmp"]
         args += ["--bind", str(self._root / "work"), self._spec.workdir, "--bind", str(self._root / "tmp"), "/tmp"]
+        if Path(sys.prefix).parts[1] in _HIDDEN_FROM_BWRAP:  # keep this interpreter visible (a venv in /tmp)
+            args += ["--ro-bind", sys.prefix, sys.prefix]
         return [*args, "--chdir", cwd, "--", *shell]
 
     async def exec(
