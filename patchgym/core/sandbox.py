@@ -15,6 +15,8 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Self
 
+from patchgym.core.errors import SandboxLostError
+
 DEFAULT_MAX_OUTPUT_BYTES = 1_000_000
 """Default cap on captured stdout and on captured stderr of one command, each."""
 
@@ -98,6 +100,16 @@ class Sandbox(abc.ABC):
     """
 
     workdir: str
+    _closed: bool = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxLostError("this sandbox is closed; create a new one")
+
+    def _path(self, path: str) -> str:
+        """`path` made absolute; it must lie under the workdir or /tmp (what remote sandboxes expose)."""
+        root, relative = confine_path(path, self.workdir, (self.workdir, "/tmp"))
+        return posixpath.normpath(posixpath.join(root, relative))
 
     @abc.abstractmethod
     async def exec(

@@ -55,7 +55,6 @@ from patchgym.core.sandbox import (
     Sandbox,
     SandboxBackend,
     SandboxSpec,
-    confine_path,
 )
 
 T = TypeVar("T")
@@ -180,14 +179,6 @@ class DockerSandbox(Sandbox):
         self.container = container
         self.workdir = spec.workdir
         self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxLostError("this sandbox is closed; create a new one")
-
-    def _path(self, path: str) -> str:
-        root, relative = confine_path(path, self.workdir, (self.workdir, "/tmp"))
-        return posixpath.normpath(posixpath.join(root, relative))
 
     async def exec(
         self,

@@ -64,7 +64,6 @@ from patchgym.core.sandbox import (
     Sandbox,
     SandboxBackend,
     SandboxSpec,
-    confine_path,
 )
 
 T = TypeVar("T")
@@ -159,14 +158,6 @@ class E2BSandbox(Sandbox):
                 return
             except Exception as exc:  # a missed renewal is retried at the next tick
                 log.warning("renewing the lease of E2B sandbox %s failed: %s", self.sandbox_id, exc)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxLostError("this sandbox is closed; create a new one")
-
-    def _path(self, path: str) -> str:
-        root, relative = confine_path(path, self.workdir, (self.workdir, "/tmp"))
-        return posixpath.normpath(posixpath.join(root, relative))
 
     async def exec(
         self,

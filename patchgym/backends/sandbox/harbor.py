@@ -31,14 +31,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from patchgym.core.errors import ConfigError, InfraError, SandboxLostError, SandboxStartError, TransportError
+from patchgym.core.errors import ConfigError, InfraError, SandboxStartError, TransportError
 from patchgym.core.sandbox import (
     DEFAULT_MAX_OUTPUT_BYTES,
     ExecResult,
     Sandbox,
     SandboxBackend,
     SandboxSpec,
-    confine_path,
 )
 
 if sys.version_info < (3, 12):  # pragma: no cover - exercised on 3.11 by the plugin factory
@@ -98,14 +97,6 @@ class HarborSandbox(Sandbox):
         self.labels = dict(spec.labels)
         self._trial_dir = trial_dir
         self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxLostError("this sandbox is closed; create a new one")
-
-    def _path(self, path: str) -> str:
-        root, relative = confine_path(path, self.workdir, (self.workdir, "/tmp"))
-        return posixpath.normpath(posixpath.join(root, relative))
 
     async def _exec_raw(self, script: str, cwd: str, env: dict[str, str] | None, timeout_s: float) -> Any:
         try:

@@ -155,10 +155,6 @@ class LocalSandbox(Sandbox):
             raise SandboxPathError(f"{path!r} leads outside this sandbox through a symbolic link")
         return resolved
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SandboxLostError("this sandbox is closed; create a new one")
-
     def _argv(self, cmd: str, cwd: str) -> list[str]:
         shell = ["bash", "-lc", cmd]
         if not self._bwrap:
