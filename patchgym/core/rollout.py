@@ -194,8 +194,9 @@ class RolloutManager:
             if discarded >= self.config.max_discards_per_batch:
                 reasons = {k: v - counters_before[k] for k, v in self._counters.items() if k.startswith("groups_")}
                 raise RolloutStalledError(
-                    f"{discarded} groups in a row could not be used ({reasons}); with rewards that never "
-                    "vary the policy cannot learn: set zero_variance: keep, or use easier tasks"
+                    f"{discarded} groups in a row could not be used ({reasons}); when every attempt at a "
+                    "task gets the same reward (the policy always fails, or always succeeds) GRPO has "
+                    "nothing to learn from: use tasks of the right difficulty, or set zero_variance: keep"
                 )
         if not groups:
             return None
