@@ -120,4 +120,5 @@ def test_resume_after_sigkill_loses_and_repeats_nothing(tmp_path: Path) -> None:
     trained = Counter(e["step"] for e in read_events(run, "trajectory") if e["stage"] == "grpo")
     assert trained == {1: 2, 2: 2, 3: 2, 4: 2}  # every step trained on one group of 2, none twice
     assert [e["event"] for e in read_events(run, "run")] == ["start", "resume", "end"]
+    assert "base" in resumed.stdout and "grpo" in resumed.stdout  # the table covers every stage
     assert json.loads((run / "state.json").read_text())["grpo_step"] == 4

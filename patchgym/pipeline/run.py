@@ -27,7 +27,7 @@ from rich.table import Table
 from patchgym.core.batch import Sample, TrainBatch
 from patchgym.core.inference import Generation, SamplingParams
 from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
-from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, truncate_events
+from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, read_events, truncate_events
 from patchgym.core.plugins import registry
 from patchgym.core.rollout import Batch, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
@@ -139,6 +139,7 @@ class Pipeline:
         if resume and self.state_path.exists():
             self.state.update(json.loads(self.state_path.read_text()))
             truncate_events(self.run_dir, self.state.get("events_offset", 0))
+            self.results = {e["stage"]: e for e in read_events(self.run_dir, "eval")}
         self.log = EventLog(self.run_dir, self._sinks())
         self.log.emit("run", event="resume" if resume else "start", config=self.config.model_dump(), state=self.state)
         model_path = self._model_path()
