@@ -6,6 +6,7 @@ import abc
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from patchgym.core.errors import ConfigError, SandboxStartError
@@ -98,6 +99,24 @@ class TaskSet(abc.ABC):
                 return task
         known = ", ".join(self.ids()) or "(none)"
         raise ConfigError(f"task set {self.name!r} has no task {task_id!r}; known tasks: {known}")
+
+
+class LoadedTaskSet(TaskSet):
+    """A task set read once, on first use: subclasses implement `load()`."""
+
+    @abc.abstractmethod
+    def load(self) -> list[Task]:
+        """Read every task (called once)."""
+
+    @cached_property
+    def _tasks(self) -> list[Task]:
+        return self.load()
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self._tasks)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
 
 
 async def start_task_sandbox(backend: SandboxBackend, task: Task) -> Sandbox:

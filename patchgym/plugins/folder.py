@@ -17,8 +17,6 @@ agent's change. Tests run with the bundled unittest runner unless `test_command`
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -28,7 +26,7 @@ from patchgym.core.errors import ConfigError
 from patchgym.core.grading import PROTECTED_FILE_NAMES, UNITTEST_COMMAND, TestCommandGrader
 from patchgym.core.plugins import LazyFactory, Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import Task, TaskSet
+from patchgym.core.tasks import LoadedTaskSet, Task
 
 TINY_TASKS = Path(__file__).with_name("tiny") / "tasks"
 
@@ -106,7 +104,7 @@ def load_task(folder: Path) -> Task:
     )
 
 
-class FolderTaskSet(TaskSet):
+class FolderTaskSet(LoadedTaskSet):
     """Every task folder under `path`, in name order."""
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
@@ -115,18 +113,11 @@ class FolderTaskSet(TaskSet):
             raise ConfigError(f"task folder set {str(self.path)!r} is not a directory")
         self.name = name or self.path.name
 
-    @cached_property
-    def _tasks(self) -> list[Task]:
+    def load(self) -> list[Task]:
         folders = sorted(p for p in self.path.iterdir() if (p / "task.json").is_file())
         if not folders:
             raise ConfigError(f"{self.path} holds no task folders (sub-directories with a task.json)")
         return [load_task(folder) for folder in folders]
-
-    def __iter__(self) -> Iterator[Task]:
-        return iter(self._tasks)
-
-    def __len__(self) -> int:
-        return len(self._tasks)
 
 
 def tiny_task_set() -> FolderTaskSet:

@@ -24,16 +24,15 @@ import shlex
 import tarfile
 import time
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import Sandbox, SandboxSpec
-from patchgym.core.tasks import Grade, Grader, Task, TaskSet
+from patchgym.core.tasks import Grade, Grader, LoadedTaskSet, Task
 
 VERIFIER_DIR = "/logs/verifier"
 MAX_ORACLE_BYTES = 96_000
@@ -197,7 +196,7 @@ def load_harbor_task(folder: Path) -> Task:
     )
 
 
-class HarborTaskSet(TaskSet):
+class HarborTaskSet(LoadedTaskSet):
     """Harbor task folders under `path` (or `path` itself when it is one task), in name order."""
 
     def __init__(self, path: str | Path, limit: int | None = None) -> None:
@@ -207,8 +206,7 @@ class HarborTaskSet(TaskSet):
         self.name = self.path.name
         self.limit = None if limit in (None, "") else int(limit)
 
-    @cached_property
-    def _tasks(self) -> list[Task]:
+    def load(self) -> list[Task]:
         if (self.path / "task.toml").is_file():
             folders = [self.path]
         else:
@@ -216,12 +214,6 @@ class HarborTaskSet(TaskSet):
         if not folders:
             raise ConfigError(f"{self.path} holds no Harbor tasks (folders with a task.toml)")
         return [load_harbor_task(folder) for folder in folders[: self.limit]]
-
-    def __iter__(self) -> Iterator[Task]:
-        return iter(self._tasks)
-
-    def __len__(self) -> int:
-        return len(self._tasks)
 
 
 @hookimpl

@@ -11,15 +11,14 @@ with `test_cmd`), and grading is `SWELogGrader` (hardened; swebench's parsers an
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from functools import cached_property
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import Task, TaskSet
+from patchgym.core.tasks import LoadedTaskSet, Task
 from patchgym.plugins.swe_data import (
     LIST_FIELDS,
     listed_tests,
@@ -62,7 +61,7 @@ def swebench_test_command(row: Mapping[str, Any]) -> tuple[list[str], str]:
     return steps, " ".join([test_cmd, *directives])
 
 
-class SWEBenchTaskSet(TaskSet):
+class SWEBenchTaskSet(LoadedTaskSet):
     """SWE-bench instances from a local file or a hub dataset; see the module docstring.
 
     Options: `path` (file or hub name), `split`, `limit` (first N), `subset` (a stratified-by-repo
@@ -122,18 +121,11 @@ class SWEBenchTaskSet(TaskSet):
             rows = list(stratified_subset(rows, self.options["subset"], seed=self.options["seed"]))  # type: ignore[arg-type]
         return rows[: self.options["limit"]] if self.options["limit"] else rows
 
-    @cached_property
-    def _tasks(self) -> list[Task]:
+    def load(self) -> list[Task]:
         rows = self.select(load_rows(self.path, split=self.options["split"]))
         if not rows:
             raise ConfigError(f"{self.path} holds no instances")
         return [self.task(row) for row in rows]
-
-    def __iter__(self) -> Iterator[Task]:
-        return iter(self._tasks)
-
-    def __len__(self) -> int:
-        return len(self._tasks)
 
     def _environment(self, row: Mapping[str, Any]) -> tuple[list[str], str]:
         if row.get("test_cmd"):

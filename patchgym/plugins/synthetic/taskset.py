@@ -9,8 +9,6 @@ its test command (JUnit report via the bundled unittest runner).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ from patchgym.core.errors import ConfigError
 from patchgym.core.grading import TestCommandGrader
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import Task, TaskSet
+from patchgym.core.tasks import LoadedTaskSet, Task
 from patchgym.core.validation import apply_patch_command
 from patchgym.plugins.folder import GIT_SNAPSHOT, _protected_files
 from patchgym.plugins.synthetic.generate import INSTANCES_FILE, SNAPSHOTS_DIR
@@ -32,7 +30,7 @@ def _tests(value: Any) -> tuple[str, ...]:
     return tuple(json.loads(value) if isinstance(value, str) else value)
 
 
-class SyntheticTaskSet(TaskSet):
+class SyntheticTaskSet(LoadedTaskSet):
     """The instances in `path/instances.jsonl`, each on its snapshot in `path/snapshots/`."""
 
     def __init__(self, path: str | Path, name: str | None = None, test_timeout_s: float = 600.0) -> None:
@@ -45,8 +43,7 @@ class SyntheticTaskSet(TaskSet):
         self.test_timeout_s = test_timeout_s
         self._protected: dict[tuple[str, tuple[str, ...]], dict[str, bytes]] = {}
 
-    @cached_property
-    def _tasks(self) -> list[Task]:
+    def load(self) -> list[Task]:
         tasks = []
         for number, line in enumerate((self.path / INSTANCES_FILE).read_text().splitlines(), 1):
             if not line.strip():
@@ -91,12 +88,6 @@ class SyntheticTaskSet(TaskSet):
                 **{k: instance[k] for k in ("repo", "modifier", "file", "function") if k in instance},
             },
         )
-
-    def __iter__(self) -> Iterator[Task]:
-        return iter(self._tasks)
-
-    def __len__(self) -> int:
-        return len(self._tasks)
 
 
 @hookimpl
