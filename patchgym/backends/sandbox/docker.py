@@ -40,6 +40,7 @@ import requests.exceptions
 from docker.models.containers import Container
 from docker.utils.socket import frames_iter
 
+from patchgym.backends.sandbox.process_group import group_argv, kill_group_command
 from patchgym.core.errors import (
     BuildError,
     ConfigError,
@@ -61,14 +62,6 @@ T = TypeVar("T")
 
 DEFAULT_IMAGE = "patchgym/base:latest"
 LABEL = "patchgym"
-_EXEC_DIR = "/tmp/.patchgym-exec"
-_WRAPPER = (
-    f'mkdir -p {_EXEC_DIR}; timeout -k "$3" "$2" bash -lc "$1" </dev/null & pid=$!; echo $pid > {_EXEC_DIR}/"$4"; '
-    f'wait $pid; rc=$?; kill -9 -$pid 2>/dev/null; rm -f {_EXEC_DIR}/"$4"; exit $rc'
-)
-"""Runs "$1" with timeout "$2" (then SIGKILL after "$3" s) in its own process group, records
-the group in a file named "$4" (so a cancelled call can kill it), and kills what is left of the
-group when the command ends."""
 
 
 def owner_name() -> str:
@@ -192,7 +185,7 @@ class DockerSandbox(Sandbox):
         self._check_open()
         token = secrets.token_hex(8)
         grace = self._backend.kill_grace_s
-        argv = ["sh", "-c", _WRAPPER, "patchgym", cmd, f"{max(timeout_s, 0.001):.3f}", f"{grace:g}", token]
+        argv = group_argv(cmd, timeout_s, grace, token)
         workdir = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
         stream = _Stream()
         started = time.perf_counter()
@@ -239,7 +232,7 @@ class DockerSandbox(Sandbox):
             raise _translate(exc, "exec failed") from exc
 
     async def _kill_exec(self, token: str) -> None:
-        kill = f"kill -9 -$(cat {_EXEC_DIR}/{token}) 2>/dev/null; rm -f {_EXEC_DIR}/{token}"
+        kill = kill_group_command(token)
         with contextlib.suppress(InfraError):
             await self._backend.run_sync(self._simple_exec, kill)
 

@@ -49,6 +49,7 @@ from e2b.exceptions import (
 )
 from e2b.sandbox.commands.command_handle import CommandExitException
 
+from patchgym.backends.sandbox.process_group import group_command, kill_group_command
 from patchgym.core.errors import (
     BuildError,
     CapacityError,
@@ -70,19 +71,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 LABEL = "patchgym"
-_EXEC_DIR = "/tmp/.patchgym-exec"
 _DROPPED_STREAM = "Command ended without an end event"
-
-
-def _wrapper(cmd: str, timeout_s: float, grace_s: float, token: str) -> str:
-    """A script running `cmd` in its own process group under `timeout`, recording the group in
-    a file named `token` (so a cancelled call can kill it) and killing what is left of the
-    group when the command ends."""
-    return (
-        f"mkdir -p {_EXEC_DIR}; timeout -k {grace_s:g} {max(timeout_s, 0.001):.3f} bash -lc {shlex.quote(cmd)} "
-        f"</dev/null & pid=$!; echo $pid > {_EXEC_DIR}/{token}; wait $pid; rc=$?; "
-        f"kill -9 -$pid 2>/dev/null; rm -f {_EXEC_DIR}/{token}; exit $rc"
-    )
 
 
 def translate_e2b_error(exc: BaseException, what: str) -> Exception:
@@ -177,7 +166,7 @@ class E2BSandbox(Sandbox):
             handle = await _call(
                 "exec failed",
                 self.box.commands.run(
-                    _wrapper(cmd, timeout_s, grace, token),
+                    group_command(cmd, timeout_s, grace, token),
                     background=True,
                     envs=dict(env or {}),
                     cwd=posixpath.normpath(posixpath.join(self.workdir, cwd or ".")),
@@ -217,7 +206,7 @@ class E2BSandbox(Sandbox):
 
     async def _kill_group(self, token: str, handle: Any) -> None:
         """Kill a command's process group through a second command, then drop its stream."""
-        kill = f"kill -9 -$(cat {_EXEC_DIR}/{token}) 2>/dev/null; rm -f {_EXEC_DIR}/{token}"
+        kill = kill_group_command(token)
         with contextlib.suppress(Exception):
             await self.box.commands.run(kill, timeout=self._backend.exec_margin_s + 5)
         if handle is None:
