@@ -17,6 +17,7 @@ from patchgym.core.losses import (  # noqa: E402
     add_sums,
     check_batch,
     group_advantages,
+    has_gradient,
     micro_batch_loss,
     summarize,
     token_logprobs,
@@ -174,3 +175,14 @@ def test_grpo_kl_term_and_errors() -> None:
         GRPOLoss(clip_low=1.5)
     with pytest.raises(ConfigError, match="engine_logprobs"):
         check_batch(GRPOLoss(), TrainBatch([Sample([1, 2], [0, 1])]))
+
+
+def test_has_gradient() -> None:
+    prompt_only = Sample([1, 2, 3], [0, 0, 0], advantage=1.0)
+    zero = Sample([1, 2, 3], [0, 1, 1], advantage=0.0)
+    signed = Sample([1, 2, 3], [0, 1, 1], advantage=-0.5)
+    assert not has_gradient(GRPOLoss(), TrainBatch([zero, zero, prompt_only]))  # all solved or all failed
+    assert has_gradient(GRPOLoss(), TrainBatch([zero, signed]))
+    assert has_gradient(GRPOLoss(kl_coef=0.1), TrainBatch([zero]))  # the KL term still pulls
+    assert not has_gradient(GRPOLoss(kl_coef=0.1), TrainBatch([prompt_only]))
+    assert has_gradient(SFTLoss(), TrainBatch([zero])) and not has_gradient(SFTLoss(), TrainBatch([prompt_only]))

@@ -92,6 +92,33 @@ async def test_grpo_learns_from_advantages(model_dir: Path) -> None:
     assert sum(after[1][4:]) < sum(before[1][4:])
 
 
+async def test_a_step_without_advantages_leaves_weights_and_optimiser_alone(model_dir: Path) -> None:
+    trainer = EmbeddedTrainer(model_dir, lr=1e-2)
+    await trainer.train_step(TrainBatch(random_samples(4, seed=7)), GRPOLoss())  # Adam now has momentum
+    before, moments = params(trainer), len(trainer.optimizer.state)
+    steps = trainer.scheduler.last_epoch
+    metrics = await trainer.train_step(TrainBatch(random_samples(4, seed=8, advantages=False)), GRPOLoss())
+    assert metrics["optimizer_skipped"] == 1.0 and metrics["grad_norm"] == 0.0
+    assert trainer.version == 2 and trainer.scheduler.last_epoch == steps and len(trainer.optimizer.state) == moments
+    for name, value in params(trainer).items():
+        assert torch.equal(value, before[name]), name
+    stepped = await trainer.train_step(TrainBatch(random_samples(4, seed=8)), GRPOLoss())
+    assert stepped["optimizer_skipped"] == 0.0
+
+
+async def test_set_lr_changes_the_next_steps_and_keeps_the_warmup(model_dir: Path) -> None:
+    trainer = EmbeddedTrainer(model_dir, lr=1e-2, warmup_steps=4)
+    batch = TrainBatch(random_samples(4, seed=9, advantages=False))
+    assert (await trainer.train_step(batch, SFTLoss()))["lr"] == pytest.approx(1e-2 / 4)
+    await trainer.set_lr(1e-4)
+    assert (await trainer.train_step(batch, SFTLoss()))["lr"] == pytest.approx(1e-4 * 2 / 4)
+    for _ in range(3):
+        metrics = await trainer.train_step(batch, SFTLoss())
+    assert metrics["lr"] == pytest.approx(1e-4)
+    with pytest.raises(ConfigError, match="lr > 0"):
+        await trainer.set_lr(0.0)
+
+
 async def test_kl_needs_and_uses_a_reference(model_dir: Path) -> None:
     batch = TrainBatch(random_samples(4, seed=6))
     with pytest.raises(ConfigError, match="reference"):

@@ -118,6 +118,19 @@ def check_batch(loss: Loss, batch: TrainBatch) -> None:
             )
 
 
+def has_gradient(loss: Loss, batch: TrainBatch) -> bool:
+    """Whether `loss` on `batch` can have a nonzero gradient.
+
+    A GRPO batch whose every advantage is 0 (all groups solved, or all failed) and that has no
+    KL term has none: trainers then skip the optimiser step, since AdamW would otherwise keep
+    moving the weights on its stale momentum with nothing to learn from.
+    """
+    trained = [s for s in batch.samples if s.trained_tokens]
+    if isinstance(loss, GRPOLoss):
+        return (loss.kl_coef > 0 and bool(trained)) or any(s.advantage != 0 for s in trained)
+    return bool(trained)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies aligned with `input_ids` ([rows, T]); position 0 gets 0."""
     logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)

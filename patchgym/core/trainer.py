@@ -23,7 +23,15 @@ class Trainer(Protocol):
         ...
 
     async def train_step(self, batch: Any, loss: Any) -> Mapping[str, float]:
-        """One optimiser step (SFT: masked NLL; GRPO: clipped, importance-corrected); returns metrics."""
+        """One optimiser step (SFT: masked NLL; GRPO: clipped, importance-corrected); returns metrics.
+
+        A batch whose loss has no gradient (`core.losses.has_gradient`) leaves the weights and
+        optimiser state untouched; the version still advances and `optimizer_skipped` is 1.
+        """
+        ...
+
+    async def set_lr(self, lr: float) -> None:
+        """Change the peak learning rate for the following steps (warm-up continues where it is)."""
         ...
 
     async def weights(self) -> Any:

@@ -40,6 +40,7 @@ class SFTConfig(_Strict):
     enabled: bool = True
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(16, ge=1, description="traces per optimiser step")
+    lr: float | None = Field(None, gt=0, description="peak learning rate of this stage (None: the trainer's lr)")
     traces: str = Field("oracle", description='"oracle": replay each train task\'s solution through the env')
 
 
@@ -53,6 +54,7 @@ class LossConfig(_Strict):
 class GRPOConfig(_Strict):
     enabled: bool = True
     steps: int = Field(10, ge=0)
+    lr: float | None = Field(None, gt=0, description="peak learning rate of this stage (None: the trainer's lr)")
     rollout: RolloutConfig = RolloutConfig()
     loss: LossConfig = LossConfig()
 

@@ -249,6 +249,8 @@ class Pipeline:
             traces = await asyncio.gather(*(trace(t) for t in tasks))
         samples = [to_sample(t) for t in traces if t.reward == 1.0]
         self.log.emit("sft_traces", made=len(traces), kept=len(samples))
+        if cfg.lr is not None:
+            await self.trainer.set_lr(cfg.lr)
         rng = random.Random(self.config.seed)
         steps = 0
         with _progress(self.console) as progress:
@@ -273,6 +275,8 @@ class Pipeline:
         manager = RolloutManager(stream, lambda task: self._episode(task, engine, agent), cfg.rollout)
         manager.version = self.state["version"]
         loss = GRPOLoss(cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.tis_cap)
+        if cfg.lr is not None:
+            await self.trainer.set_lr(cfg.lr)
         try:
             with _progress(self.console) as progress:
                 bar = progress.add_task("grpo", total=cfg.steps, completed=self.state["grpo_step"])

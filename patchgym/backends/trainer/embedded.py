@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from patchgym.backends.trainer.common import (
 )
 from patchgym.core.batch import TrainBatch
 from patchgym.core.errors import ConfigError
-from patchgym.core.losses import Loss, summarize, token_logprobs
+from patchgym.core.losses import Loss, has_gradient, summarize, token_logprobs
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
@@ -145,9 +146,11 @@ class EmbeddedTrainer:
         total, sums = accumulate_gradients(batch, loss, self._forward_with(self.model), reference=reference)
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        stepped = has_gradient(loss, batch)
+        if stepped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.version += 1
         elapsed = time.perf_counter() - started
         return {
@@ -155,10 +158,18 @@ class EmbeddedTrainer:
             "grad_norm": grad_norm,
             "lr": lr,
             "version": float(self.version),
+            "optimizer_skipped": float(not stepped),
             "step_s": elapsed,
             "tokens_per_s": batch.total_tokens / elapsed,
             **summarize(sums),
         }
+
+    def _set_lr(self, lr: float) -> None:
+        self.optim = replace(self.optim, lr=lr)
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        factor = self.optim.lr_factor(self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
@@ -214,6 +225,10 @@ class EmbeddedTrainer:
     async def train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float]:
         """One optimiser step over `batch` (accumulated over its micro-batches); returns metrics."""
         return await self._run(self._train_step, batch, loss)
+
+    async def set_lr(self, lr: float) -> None:
+        """Change the peak learning rate for the following steps (warm-up continues where it is)."""
+        await self._run(self._set_lr, lr)
 
     async def weights(self, export_to: Path | None = None) -> TrainerWeights:
         """A copy of the current state dict; with `export_to`, also an HF-format directory (for SGLang)."""

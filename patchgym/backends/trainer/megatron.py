@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,15 @@ from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_
 from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
 from patchgym.core.batch import MicroBatch, TrainBatch
 from patchgym.core.errors import ConfigError
-from patchgym.core.losses import Loss, Normaliser, add_sums, check_batch, micro_batch_loss, summarize
+from patchgym.core.losses import (
+    Loss,
+    Normaliser,
+    add_sums,
+    check_batch,
+    has_gradient,
+    micro_batch_loss,
+    summarize,
+)
 
 STATE_FILE = "megatron_state_rank{rank}.pt"
 
@@ -263,12 +272,13 @@ class MegatronTrainer:
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
-        _, grad_norm, _ = self.optimizer.step()
+        stepped = has_gradient(loss, batch)
+        grad_norm = self.optimizer.step()[1] if stepped else 0.0
         keys = sorted(sums | {"tokens": 0.0})
         reduced = torch.tensor([total] + [sums.get(k, 0.0) for k in keys], dtype=torch.float64)
         dist.all_reduce(reduced, group=self.ps.get_data_parallel_group())
         total, sums = float(reduced[0]), {k: float(v) for k, v in zip(keys, reduced[1:].tolist(), strict=True)}
-        self.step_count += 1
+        self.step_count += stepped
         self.version += 1
         elapsed = time.perf_counter() - started
         return {
@@ -276,10 +286,14 @@ class MegatronTrainer:
             "grad_norm": float(grad_norm or 0.0),
             "lr": self.optimizer.param_groups[0]["lr"],
             "version": float(self.version),
+            "optimizer_skipped": float(not stepped),
             "step_s": elapsed,
             "tokens_per_s": batch.total_tokens / elapsed,
             **summarize(sums),
         }
+
+    def _set_lr(self, lr: float) -> None:
+        self.optim = replace(self.optim, lr=lr)
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         """Every megatron tensor, gathered over tensor parallelism (on every rank)."""
@@ -345,6 +359,7 @@ class MegatronTrainer:
             "export": self._export,
             "save": self._save,
             "load": self._load,
+            "set_lr": self._set_lr,
         }
         with mcore_cpu.active():
             return handlers[command](*args)
@@ -378,6 +393,10 @@ class MegatronTrainer:
     async def train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float]:
         """One optimiser step over `batch`, its micro-batches split across data-parallel ranks."""
         return await self._run("train_step", batch, loss)
+
+    async def set_lr(self, lr: float) -> None:
+        """Change the peak learning rate for the following steps (warm-up continues where it is)."""
+        await self._run("set_lr", lr)
 
     async def weights(self, export_to: Path | None = None) -> TrainerWeights:
         """The full weights in HF names (gathered over TP); with `export_to`, also an HF directory."""
