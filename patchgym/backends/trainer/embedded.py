@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
