@@ -211,10 +211,11 @@ def test_filters_skip_unfinished_and_unresolved_traces_with_reasons(tmp_path: Pa
 
 def test_a_json_array_of_records_and_bare_lists(tmp_path: Path) -> None:
     path = tmp_path / "chats.json"
-    path.write_text(json.dumps([{"messages": conversation(0)}, conversation(1)]))
-    traces = list(read_traces(path, "openai"))
-    assert [t.where for t in traces] == [f"{path}[0]", f"{path}[1]"]
-    assert traces[1].messages == conversation(1)
+    path.write_text(json.dumps([{"messages": conversation(0), "info": {"source": "chat"}}, conversation(1)]))
+    for fmt in ("openai", "auto"):  # an "info" object without an exit_status is not a mini-swe-agent one
+        traces = list(read_traces(path, fmt))  # type: ignore[arg-type]
+        assert [t.where for t in traces] == [f"{path}[0]", f"{path}[1]"] and traces[0].skip is None
+        assert traces[1].messages == conversation(1)
 
 
 def test_too_long_traces_are_skipped_or_truncated(tokenizer: Any) -> None:

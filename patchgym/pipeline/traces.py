@@ -204,13 +204,20 @@ def _trace(
     messages = record["messages"]
     if isinstance(messages, str):  # SWE-smith exports may hold the list as JSON text
         messages = _parse(messages, where, '"messages" must be a list of messages or its JSON text')
-    if isinstance(info, dict) and format in ("auto", "mini-swe-agent") and exit_statuses is not None:
-        status = _exit_status(info, messages)
+    mini = format == "mini-swe-agent" or (format == "auto" and _looks_like_mini_swe_agent(record))
+    if mini and exit_statuses is not None:
+        status = _exit_status(record["info"], messages)
         if status not in exit_statuses:
             return Trace(where, [], f"exit_status {status}")
     if resolved_only and record.get("resolved") is False:
         return Trace(where, [], "not resolved")
     return Trace(where, normalise_messages(messages, where))
+
+
+def _looks_like_mini_swe_agent(record: dict[str, Any]) -> bool:
+    info, version = record.get("info"), record.get("trajectory_format")
+    tagged = isinstance(version, str) and version.startswith("mini-swe-agent")
+    return isinstance(info, dict) and (tagged or "exit_status" in info)
 
 
 def _exit_status(info: dict[str, Any], messages: Any) -> str | None:
