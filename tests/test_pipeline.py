@@ -40,9 +40,10 @@ def write_config(tmp_path: Path, *, steps: int, sft: bool = True) -> Path:
         "trainer": {"name": "embedded", "options": {"lr": 1e-3}},
         "env": {"max_turns": 2, "command_timeout_s": 20},
         "agent": {"max_new_tokens_per_turn": 16, "max_tokens_per_trajectory": 1024},
-        "sft": {"enabled": sft, "epochs": 1, "batch_size": 4},
+        "sft": {"enabled": sft, "epochs": 1, "batch_size": 4, "lr": 2e-3},
         "grpo": {
             "steps": steps,
+            "lr": 1e-4,
             "rollout": {
                 "mode": "fully_async",
                 "group_size": 2,
@@ -73,6 +74,8 @@ def test_full_run_writes_events_checkpoints_and_a_report(tmp_path: Path) -> None
     for step in steps:
         assert set(step["timings"]) == {"actor_update_s", "rollout_wait_s", "logprob_recompute_s", "weight_sync_s"}
         assert step["limits"]["group_size"] == 2
+        assert step["trainer"]["lr"] == pytest.approx(1e-4)  # each stage has its own learning rate
+    assert all(s["lr"] == pytest.approx(2e-3) for s in read_events(run, "sft_step"))
     assert steps[0]["trainer"]["logprob_gap"] < 1e-4  # first batch: sampled with the weights being trained
     sft = read_events(run, "sft_traces")[0]
     assert sft["made"] == 4 and sft["kept"] == 4  # the oracle replays all succeed

@@ -125,6 +125,10 @@ class TokenChat:
         content = tokens[:-1] if tokens and tokens[-1] == self.turn_end_id else tokens
         return self.tokenizer.decode(content, skip_special_tokens=False)
 
+    def add_text(self, text: str) -> str:
+        """Append an assistant message given as text, as if sampled: see `text_generation`."""
+        return self.add_generation(text_generation(self.tokenizer, text, self.turn_end_id))
+
     def add_observation(self, messages: Sequence[Message]) -> None:
         """Close the last assistant turn if it was cut off, then append `messages` and the generation prompt."""
         if not self.turns or not self._awaiting_observation:
@@ -154,6 +158,16 @@ class TokenChat:
         self.token_ids += tokens
         self.loss_mask += [mask] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+
+
+def text_generation(tokenizer: ChatTokenizer, text: str, turn_end_id: int, weight_version: int = 0) -> Generation:
+    """`text` as an engine would return it: its canonical tokens, then the turn-end token (log-probs 0.0).
+
+    Scripted policies (oracle replays) and recorded traces become token turns this way, so
+    they have the layout of a sampled turn.
+    """
+    tokens = [*tokenizer.encode(text, add_special_tokens=False), turn_end_id]
+    return Generation(tokens, [0.0] * len(tokens), "stop", weight_version)
 
 
 def _turn_end(tokenizer: ChatTokenizer, head: list[Message]) -> tuple[int, str]:

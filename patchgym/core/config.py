@@ -33,6 +33,8 @@ def _fields_at(model: type[BaseModel], path: tuple[Any, ...]) -> list[str]:
     """The field names of the sub-model reached by `path` (empty if it is not a model)."""
     current: type[BaseModel] | None = model
     for part in path:
+        if isinstance(part, int):  # an item of a list of sub-models
+            continue
         if current is None or part not in current.model_fields:
             return []
         current = _as_model(current.model_fields[part].annotation)

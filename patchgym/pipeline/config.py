@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from patchgym.core.config import load_yaml
 from patchgym.core.rollout import RolloutConfig
 from patchgym.envs.agent import AgentConfig
 from patchgym.envs.swe import EnvConfig
+from patchgym.pipeline.traces import TooLong, TraceFormat
 
 
 class _Strict(BaseModel):
@@ -36,12 +37,51 @@ class TasksConfig(_Strict):
     eval: Component
 
 
+class TraceSource(_Strict):
+    """Where SFT traces come from: the oracle (each train task's solution replayed through the env)
+    or a trace file, JSONL file or directory of trajectory files (see patchgym.pipeline.traces)."""
+
+    format: Literal["oracle", TraceFormat] = "auto"
+    path: str | None = None
+    exit_statuses: list[str] | None = Field(
+        ["Submitted"], description="mini-swe-agent trajectories kept by info.exit_status (null: all)"
+    )
+    resolved_only: bool = Field(True, description='skip records that say "resolved": false')
+
+    @model_validator(mode="after")
+    def _path_matches_format(self) -> TraceSource:
+        if self.format == "oracle" and self.path is not None:
+            raise ValueError("the oracle source replays the train tasks and takes no path")
+        if self.format != "oracle" and self.path is None:
+            raise ValueError(f"a {self.format} trace source needs a path (a file or a directory)")
+        return self
+
+
 class SFTConfig(_Strict):
     enabled: bool = True
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(16, ge=1, description="traces per optimiser step")
     lr: float | None = Field(None, gt=0, description="peak learning rate of this stage (None: the trainer's lr)")
-    traces: str = Field("oracle", description='"oracle": replay each train task\'s solution through the env')
+    traces: list[TraceSource] = Field(
+        default_factory=lambda: [TraceSource(format="oracle")],
+        description='"oracle", a source {path, format} or a list of them',
+    )
+    too_long: TooLong = Field(
+        "skip",
+        description="traces over the token cap (the agent's trajectory cap, the engine's context, the trainer's "
+        "micro-batch budget): skip them or truncate them",
+    )
+
+    @field_validator("traces", mode="before")
+    @classmethod
+    def _sources(cls, value: Any) -> Any:
+        if value == "oracle" or isinstance(value, dict):
+            value = [value]
+        if isinstance(value, str):
+            raise ValueError(f'{value!r} is not a trace source: write "oracle", or {{path: {value}}} for a file')
+        if not isinstance(value, list):
+            raise ValueError('write "oracle", a source {path: ..., format: ...} or a list of them')
+        return [{"format": "oracle"} if item == "oracle" else item for item in value]
 
 
 class LossConfig(_Strict):

@@ -1,4 +1,8 @@
-"""`patchgym run`: evaluate the base policy, SFT on oracle traces, GRPO, evaluate after each stage.
+"""`patchgym run`: evaluate the base policy, SFT on traces, GRPO, evaluate after each stage.
+
+SFT traces are oracle replays (each train task's solution run through the env) and/or trace
+files (mini-swe-agent trajectories, OpenAI message lists, SWE-smith JSONL: pipeline/traces.py),
+tokenised the way the agent loop tokenises a rollout.
 
 Everything goes through the registry (sandbox, inference and trainer backends, task sets) and
 the run directory holds the event log, checkpoints and `state.json`; `--resume` continues a
@@ -25,6 +29,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from patchgym.core.batch import Sample, TrainBatch
+from patchgym.core.chat import text_generation
+from patchgym.core.errors import ConfigError
 from patchgym.core.inference import Generation, SamplingParams
 from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
 from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, read_events, truncate_events
@@ -35,7 +41,8 @@ from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_command
 from patchgym.envs.agent import AgentConfig, describe, run_agent
 from patchgym.envs.swe import AsyncSWEEnv
-from patchgym.pipeline.config import RunConfig
+from patchgym.pipeline.config import RunConfig, TraceSource
+from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces, trace_files
 
 STATE_FILE = "state.json"
 SUBMIT_MESSAGE = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"
@@ -57,8 +64,7 @@ class OraclePolicy:
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
         text = self._messages.pop(0) if self._messages else SUBMIT_MESSAGE
-        tokens = [*self._tokenizer.encode(text, add_special_tokens=False), self._end]
-        return Generation(tokens, [0.0] * len(tokens), "stop", 0)
+        return text_generation(self._tokenizer, text, self._end)
 
 
 def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
@@ -142,6 +148,10 @@ class Pipeline:
             self.results = {e["stage"]: e for e in read_events(self.run_dir, "eval")}
         self.log = EventLog(self.run_dir, self._sinks())
         self.log.emit("run", event="resume" if resume else "start", config=self.config.model_dump(), state=self.state)
+        if self.config.sft.enabled and "sft" not in self.state["stages_done"]:
+            for source in self.config.sft.traces:  # a wrong trace path fails now, not after the base evaluation
+                if source.path is not None:
+                    trace_files(source.path)
         model_path = self._model_path()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         reg = registry()
@@ -234,21 +244,61 @@ class Pipeline:
         self.results[stage] = result
         return result
 
-    async def sft(self) -> None:
-        cfg = self.config.sft
+    def _token_cap(self) -> int:
+        """The longest SFT trace: the agent's trajectory cap, the engine's context, the trainer's micro-batch budget."""
+        caps = [self.config.agent.max_tokens_per_trajectory, self.engine.max_context]
+        budget = getattr(self.trainer, "micro_batch_tokens", None)
+        return min(caps if budget is None else [*caps, budget])
+
+    async def _oracle_samples(self, progress: Progress, tally: TraceTally, cap: int, too_long: TooLong) -> list[Sample]:
+        """Replay each train task's solution through the env; solved replays are the traces."""
         tasks = list(self.train_tasks)
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        bar = progress.add_task("sft traces (oracle)", total=len(tasks))
+
+        async def trace(task: Task) -> Trajectory:
+            trajectory = await self._episode(task, OraclePolicy(self.tokenizer, task, turn_end), self.config.agent)
+            progress.advance(bar)
+            return trajectory
+
+        samples = []
+        for trajectory in await asyncio.gather(*(trace(t) for t in tasks)):
+            solved = trajectory.reward == 1.0
+            skip = "oracle replay infra error" if trajectory.infra_error else "oracle replay not solved"
+            sample = tally.admit(trajectory.task_id, to_sample(trajectory) if solved else None, skip, cap, too_long)
+            if sample is not None:
+                samples.append(sample)
+        return samples
+
+    async def sft(self) -> None:
+        cfg = self.config.sft
+        cap = self._token_cap()
+        samples: list[Sample] = []
+        tallies: list[tuple[TraceSource, TraceTally]] = []
         with _progress(self.console) as progress:
-            bar = progress.add_task("sft traces", total=len(tasks))
-
-            async def trace(task: Task) -> Trajectory:
-                trajectory = await self._episode(task, OraclePolicy(self.tokenizer, task, turn_end), self.config.agent)
-                progress.advance(bar)
-                return trajectory
-
-            traces = await asyncio.gather(*(trace(t) for t in tasks))
-        samples = [to_sample(t) for t in traces if t.reward == 1.0]
-        self.log.emit("sft_traces", made=len(traces), kept=len(samples))
+            for source in cfg.traces:
+                tally = TraceTally()
+                if source.format == "oracle":
+                    samples += await self._oracle_samples(progress, tally, cap, cfg.too_long)
+                else:
+                    assert source.path is not None
+                    bar = progress.add_task(f"sft traces ({source.path})", total=None)
+                    traces = read_traces(
+                        source.path,
+                        source.format,
+                        exit_statuses=source.exit_statuses,
+                        resolved_only=source.resolved_only,
+                    )
+                    for sample in load_samples(traces, self.tokenizer, cap, cfg.too_long, tally):
+                        samples.append(sample)
+                        progress.update(bar, completed=tally.made)
+                tallies.append((source, tally))
+                self.console.print(f"sft traces from {source.path or 'the oracle'}: {tally.summary()}")
+        total = TraceTally.total([tally for _, tally in tallies])
+        sources = [{"source": s.path or "oracle", "format": s.format, **t.as_dict()} for s, t in tallies]
+        self.log.emit("sft_traces", token_cap=cap, too_long=cfg.too_long, sources=sources, **total.as_dict())
+        if not samples and any(source.format != "oracle" for source in cfg.traces):
+            raise ConfigError(f"no SFT trace is left to train on ({total.summary()}); see the sft_traces event")
         if cfg.lr is not None:
             await self.trainer.set_lr(cfg.lr)
         rng = random.Random(self.config.seed)
