@@ -1,6 +1,6 @@
 """A torchrun program for the Megatron trainer tests: train a few steps, write what it saw as JSON.
 
-Run: torchrun --nproc_per_node=N tests/megatron_worker.py MODEL_DIR OUT_DIR TP
+Run: torchrun --nproc_per_node=N tests/megatron_worker.py MODEL_DIR OUT_DIR TP PP
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ async def drive(trainer: MegatronTrainer, out: Path) -> None:
 
 
 def main() -> None:
-    model, out, tp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    trainer = MegatronTrainer(model, tp=tp, lr=3e-3, micro_batch_tokens=96)
+    model, out, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    trainer = MegatronTrainer(model, tp=tp, pp=pp, lr=3e-3, micro_batch_tokens=96)
     if trainer.rank == 0:
         asyncio.run(drive(trainer, out))
     else:
