@@ -365,8 +365,9 @@ class MegatronTrainer:
     def _full_state(self) -> dict[str, torch.Tensor] | None:
         """Every megatron tensor under its whole-model name, gathered over TP and pipeline stages.
 
-        On rank 0; None on the other ranks. The last stage's copy of a tied embedding (megatron
-        marks it `shared`) is left out: the first stage's is the same tensor.
+        On rank 0 (on its device); None on the other ranks. Other stages' tensors travel through
+        host memory. The last stage's copy of a tied embedding (megatron marks it `shared`) is
+        left out: the first stage's is the same tensor.
         """
         group = self.ps.get_tensor_model_parallel_group()
         out = {}
@@ -379,8 +380,9 @@ class MegatronTrainer:
             out[self.names[name]] = unshard(name, parts).to(self.dtype)
         if self.pp == 1:
             return out if self.rank == 0 else None
-        stages = self._to_rank0([out], self.dp_rank == 0 and self.tp_rank == 0)
-        return None if stages is None else {k: v for stage in stages for k, v in stage.items()}
+        device = next(self.gpt.parameters()).device
+        stages = self._to_rank0([{k: v.cpu() for k, v in out.items()}], self.dp_rank == 0 and self.tp_rank == 0)
+        return None if stages is None else {k: v.to(device) for stage in stages for k, v in stage.items()}
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         state = self._full_state()
