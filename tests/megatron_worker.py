@@ -1,6 +1,6 @@
 """A torchrun program for the Megatron trainer tests: train a few steps, write what it saw as JSON.
 
-Run: torchrun --nproc_per_node=N tests/megatron_worker.py MODEL_DIR OUT_DIR TP
+Run: torchrun --nproc_per_node=N tests/megatron_worker.py MODEL_DIR OUT_DIR TP PP
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import json
 import sys
 import warnings
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
@@ -33,14 +35,21 @@ async def drive(trainer: MegatronTrainer, out: Path) -> None:
         result["grpo"].append(await trainer.train_step(grpo, GRPOLoss()))
     await trainer.load(out / "ckpt")  # resume: the same steps again must give the same numbers
     result["grpo_resumed"] = [await trainer.train_step(grpo, GRPOLoss()) for _ in range(2)]
+    before = (await trainer.weights()).state_dict
+    no_signal = TrainBatch(random_samples(8, seed=23, advantages=False))
+    result["no_signal"] = await trainer.train_step(no_signal, GRPOLoss())
+    after = (await trainer.weights()).state_dict
+    result["no_signal_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    await trainer.set_lr(1e-4)
+    result["after_set_lr"] = await trainer.train_step(sft, SFTLoss())
     await trainer.weights(export_to=out / "hf")
     await trainer.aclose()
     (out / "result.json").write_text(json.dumps(result))
 
 
 def main() -> None:
-    model, out, tp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    trainer = MegatronTrainer(model, tp=tp, lr=3e-3, micro_batch_tokens=96)
+    model, out, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    trainer = MegatronTrainer(model, tp=tp, pp=pp, lr=3e-3, micro_batch_tokens=96)
     if trainer.rank == 0:
         asyncio.run(drive(trainer, out))
     else:

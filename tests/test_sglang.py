@@ -288,6 +288,42 @@ async def test_update_weights_over_a_process_group(engine: Any, tiny_model_dir: 
     await check_weights(engine, model, 4, before)
 
 
+async def test_bucketed_broadcast_of_trainer_weights(
+    sglang_url: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded trainer's weights after a few SFT steps, broadcast as several buckets in one session."""
+    from patchgym.backends.inference.sglang import DistributedWeights, SGLangEngine
+    from patchgym.backends.trainer.embedded import EmbeddedTrainer
+    from patchgym.core.batch import TrainBatch
+    from patchgym.core.losses import SFTLoss
+    from tests.tiny_models import random_samples
+
+    trainer = EmbeddedTrainer(tiny_model_dir, lr=5e-2)
+    batch = TrainBatch(random_samples(8, seed=5, advantages=False))
+    for _ in range(3):
+        await trainer.train_step(batch, SFTLoss())
+    weights = (await trainer.weights()).state_dict
+    await trainer.aclose()
+    model = model_with(tiny_model_dir, weights, tmp_path / "v5")
+    bucket_bytes = sum(t.numel() * t.element_size() for t in weights.values()) // 4
+    engine = SGLangEngine(sglang_url, max_context=MAX_CONTEXT, concurrency=16, weight_bucket_bytes=bucket_bytes)
+    sent: list[list[str]] = []
+    send_bucket = engine._send_bucket
+
+    async def spy(broadcaster: Any, group_name: str, bucket: Mapping[str, Any], version: int | None) -> None:
+        sent.append(list(bucket))
+        await send_bucket(broadcaster, group_name, bucket, version)
+
+    monkeypatch.setattr(engine, "_send_bucket", spy)
+    try:
+        before = await sample_all(engine)
+        await engine.update_weights(DistributedWeights(weights, master_port=free_port(), timeout_s=60), version=5)
+        assert len(sent) >= 4 and [name for bucket in sent for name in bucket] == list(weights)
+        await check_weights(engine, model, 5, before)
+    finally:
+        await engine.aclose()
+
+
 async def test_refused_weight_update_is_an_error(engine: Any, tmp_path: Path) -> None:
     from patchgym.backends.inference.sglang import WeightUpdateError
 

@@ -206,9 +206,25 @@ async def test_cancelled_generate_aborts_its_request(fake: FakeSGLang) -> None:
     await engine.aclose()
 
 
+def test_weight_buckets_keep_order_and_cap_bytes() -> None:
+    from patchgym.backends.inference.weight_group import split_buckets
+
+    sizes = {"a": 4, "b": 4, "c": 4, "big": 10, "e": 1}
+    assert split_buckets(sizes, 8) == [["a", "b"], ["c"], ["big"], ["e"]]  # a tensor over the cap goes alone
+    assert split_buckets(sizes, 12) == [["a", "b", "c"], ["big", "e"]]  # a bucket may fill exactly
+    assert split_buckets(sizes, 1 << 30) == [list(sizes)]
+    assert split_buckets({}, 8) == []
+    with pytest.raises(ConfigError, match="bucket_bytes"):
+        split_buckets(sizes, 0)
+    engine = SGLangEngine("http://127.0.0.1:1", max_context=10, weight_bucket_bytes=1024)
+    assert engine.settings()["weight_bucket_bytes"] == 1024
+
+
 def test_bad_settings_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="at least one engine URL"):
         SGLangEngine([], max_context=10)
+    with pytest.raises(ConfigError, match="weight_bucket_bytes"):
+        SGLangEngine("http://127.0.0.1:1", max_context=10, weight_bucket_bytes=0)
     with pytest.raises(ConfigError, match="pause_mode"):
         SGLangEngine("http://127.0.0.1:1", max_context=10, pause_mode="later")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="ignore_eos"):

@@ -5,7 +5,8 @@ tokens and their log-probs from `meta_info.output_token_logprobs`. Several engin
 balanced by least outstanding requests (or give one SGLang router URL). Weights are updated
 from a directory (`/update_weights_from_disk`), from tensors (`/update_weights_from_tensor`,
 shared memory, same host) or over a process group (`/update_weights_from_distributed`, the
-trainer is rank 0; see `DistributedWeights`). Routes and fields follow sglang 0.5.23
+trainer is rank 0; see `DistributedWeights`), in buckets of at most `weight_bucket_bytes`: one
+call per bucket, all inside one begin/end weight-update session. Routes and fields follow sglang 0.5.23
 (`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`).
 """
 
@@ -75,19 +76,24 @@ class SGLangEngine:
         request_timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         weight_update_timeout_s: float = 600.0,
+        weight_bucket_bytes: int = 512 << 20,
         retries: int = 3,
         retry_backoff_s: float = 0.5,
         pause_mode: PauseMode = "retract",
         ignore_eos: bool = False,
     ) -> None:
         """`concurrency` sizes the generate connection pool (set it to the rollout concurrency);
-        `ignore_eos` generates to max_new_tokens or the context cap (benchmarks, tests).
+        `weight_bucket_bytes` caps the tensors one `/update_weights_from_distributed` call
+        receives (the engine's receive buffers); `ignore_eos` generates to max_new_tokens or
+        the context cap (benchmarks, tests).
         Servers need `--context-length` at least `max_context + 6` (sglang_launch does this)."""
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
             raise ConfigError("the sglang backend needs at least one engine URL (urls=...)")
-        if max_context <= 0 or concurrency <= 0 or control_connections <= 0 or retries < 0:
-            raise ConfigError("max_context, concurrency and control_connections must be > 0 and retries >= 0")
+        if min(max_context, concurrency, control_connections, weight_bucket_bytes) <= 0 or retries < 0:
+            raise ConfigError(
+                "max_context, concurrency, control_connections and weight_bucket_bytes must be > 0 and retries >= 0"
+            )
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ConfigError(f"pause_mode must be abort, retract or in_place, not {pause_mode!r}")
         self.urls = [u.rstrip("/") for u in url_list]
@@ -97,6 +103,7 @@ class SGLangEngine:
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.weight_update_timeout_s = weight_update_timeout_s
+        self.weight_bucket_bytes = weight_bucket_bytes
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self.pause_mode = pause_mode
@@ -126,6 +133,7 @@ class SGLangEngine:
             "request_timeout_s": self.request_timeout_s,
             "connect_timeout_s": self.connect_timeout_s,
             "weight_update_timeout_s": self.weight_update_timeout_s,
+            "weight_bucket_bytes": self.weight_bucket_bytes,
             "retries": self.retries,
             "retry_backoff_s": self.retry_backoff_s,
             "pause_mode": self.pause_mode,
@@ -336,9 +344,12 @@ class SGLangEngine:
             await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
 
     async def _update_distributed(self, weights: DistributedWeights, version: int) -> None:
-        from patchgym.backends.inference.weight_group import WeightBroadcaster
+        from patchgym.backends.inference.weight_group import WeightBroadcaster, split_buckets
 
         tensors = {name: t.detach().contiguous() for name, t in weights.tensors.items()}
+        if not tensors:
+            raise ConfigError("DistributedWeights holds no tensors to broadcast")
+        buckets = split_buckets({n: t.numel() * t.element_size() for n, t in tensors.items()}, self.weight_bucket_bytes)
         backend = weights.backend or ("nccl" if any(t.is_cuda for t in tensors.values()) else "gloo")
         world_size = len(self.urls) + 1  # one rank per engine (tp=1 each) plus the trainer
         broadcaster = WeightBroadcaster(
@@ -367,32 +378,40 @@ class SGLangEngine:
             self._check(response, "init_weights_update_group")
         await joining
         try:
-            body = {
-                "names": list(tensors),
-                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-                "shapes": [list(t.shape) for t in tensors.values()],
-                "group_name": weights.group_name,
-                "weight_version": str(version),
-                "flush_cache": True,
-            }
             await self._all("POST", "/begin_weight_update", json={}, what="begin_weight_update")
             try:
-                update = asyncio.gather(
-                    *(
-                        self._request(
-                            self._control, "POST", u + "/update_weights_from_distributed", json=body, retry=False
-                        )
-                        for u in self.urls
-                    )
-                )
-                await asyncio.to_thread(broadcaster.broadcast, list(tensors.values()))
-                for response in await update:
-                    self._check(response, "update_weights_from_distributed")
+                for i, names in enumerate(buckets):
+                    last = i == len(buckets) - 1  # the version and cache flush come with the complete weights
+                    bucket = {name: tensors[name] for name in names}
+                    await self._send_bucket(broadcaster, weights.group_name, bucket, version if last else None)
             finally:
                 await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
         finally:
             await self._all("POST", "/destroy_weights_update_group", json={"group_name": weights.group_name})
             broadcaster.close()
+
+    async def _send_bucket(
+        self, broadcaster: Any, group_name: str, bucket: Mapping[str, Any], version: int | None
+    ) -> None:
+        """Tell every engine one bucket's names, dtypes and shapes, then broadcast its tensors."""
+        body: dict[str, Any] = {
+            "names": list(bucket),
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in bucket.values()],
+            "shapes": [list(t.shape) for t in bucket.values()],
+            "group_name": group_name,
+            "flush_cache": version is not None,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+        update = asyncio.gather(
+            *(
+                self._request(self._control, "POST", u + "/update_weights_from_distributed", json=body, retry=False)
+                for u in self.urls
+            )
+        )
+        await asyncio.to_thread(broadcaster.broadcast, list(bucket.values()))
+        for response in await update:
+            self._check(response, "update_weights_from_distributed")
 
     async def aclose(self) -> None:
         await self._client.aclose()

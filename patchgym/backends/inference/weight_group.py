@@ -8,10 +8,30 @@ trainer's own distributed setup (if any) is untouched. Blocking calls: run them 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from patchgym.core.errors import TransportError
+from patchgym.core.errors import ConfigError, TransportError
+
+
+def split_buckets(sizes: Mapping[str, int], bucket_bytes: int) -> list[list[str]]:
+    """The names in order, cut into consecutive buckets of at most `bucket_bytes` each.
+
+    `sizes` maps each tensor's name to its size in bytes; a tensor larger than `bucket_bytes`
+    travels alone in its own bucket.
+    """
+    if bucket_bytes <= 0:
+        raise ConfigError(f"bucket_bytes must be > 0, not {bucket_bytes}")
+    buckets: list[list[str]] = []
+    filled = bucket_bytes  # the first tensor opens a bucket
+    for name, size in sizes.items():
+        if filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(name)
+        filled += size
+    return buckets
 
 
 class WeightBroadcaster:

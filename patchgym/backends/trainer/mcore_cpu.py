@@ -3,9 +3,10 @@
 megatron-core 0.16 hard-codes CUDA in a few places: its RNG tracker, the RoPE frequencies
 (`.to(torch.cuda.current_device())`), the default causal mask (`device="cuda"`), buffers in the
 distributed optimizer and gradient clipping (`device='cuda'`, `param.type() ==
-'torch.cuda.FloatTensor'`). `install()` redirects those to the CPU, and `active()` is a torch
-function mode that rewrites CUDA devices to CPU while megatron code runs. Both do nothing when
-a GPU is present: there megatron-core runs unchanged.
+'torch.cuda.FloatTensor'`), the pipeline schedule's receive buffers and syncs
+(`torch.cuda.current_device()`, `torch.cuda.synchronize()`). `install()` redirects those to the
+CPU, and `active()` is a torch function mode that rewrites CUDA devices to CPU while megatron
+code runs. Both do nothing when a GPU is present: there megatron-core runs unchanged.
 """
 
 from __future__ import annotations

@@ -1,25 +1,35 @@
-"""The Megatron trainer: megatron-core `GPTModel` with tensor and data parallelism.
+"""The Megatron trainer: megatron-core `GPTModel` with tensor, pipeline and data parallelism.
 
-Launch one process per rank with torchrun (`torchrun --nproc_per_node=N program.py`). Every
-rank builds a `MegatronTrainer`; rank 0 runs the program and calls the async `Trainer`
-methods, which broadcast the call to the other ranks, which sit in `follow()`. Data
-parallelism splits a batch's micro-batches between the data-parallel ranks; gradients are
-reduced by megatron's `DistributedDataParallel` and the step is taken by its (optionally
-distributed) optimizer. Micro-batches are packed: a block-diagonal causal mask keeps attention
-inside each sample (RoPE is relative, so a sample's offset in its row does not change its
-scores). Per-token log-probs come from `vocab_parallel_cross_entropy` on TP-sharded logits.
+Launch one process per rank with torchrun (`torchrun --nproc_per_node=N program.py`, N a
+multiple of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
+the async `Trainer` methods, which broadcast the call to the other ranks, which sit in
+`follow()`. Data parallelism splits a batch's micro-batches between the data-parallel ranks;
+gradients are reduced by megatron's `DistributedDataParallel` and the step is taken by its
+(optionally distributed) optimizer. Micro-batches are packed: a block-diagonal causal mask keeps
+attention inside each sample (RoPE is relative, so a sample's offset in its row does not change
+its scores). Per-token log-probs come from `vocab_parallel_cross_entropy` on TP-sharded logits.
+
+Pipeline parallelism: each stage builds its share of the layers (megatron-core's split; the
+embedding on the first stage, the final norm and output layer on the last, and with tied
+embeddings the last stage's copy that megatron keeps in sync through the embedding group).
+Forward and backward go through megatron-core's schedule (`get_forward_backward_func`: 1F1B
+when pp > 1) with variable sequence lengths; the loss and log-probs are computed on the last
+stage and gathered to rank 0. The loss is normalised over the whole step by us
+(`Normaliser`), so the config sets `calculate_per_token_loss`: the schedule and DDP then add
+micro-batch and data-parallel gradients without averaging them.
 
 Without a GPU the process group is gloo and `mcore_cpu` redirects megatron's CUDA calls.
-Pipeline parallelism is not implemented yet (pp must be 1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -93,8 +103,6 @@ class MegatronTrainer:
     ) -> None:
         from transformers import AutoConfig
 
-        if pp != 1:
-            raise ConfigError("pipeline parallelism is not implemented in the megatron trainer yet: use pp=1")
         path = Path(model)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model {str(model)!r} is not a Hugging Face model directory (no config.json there)")
@@ -112,9 +120,9 @@ class MegatronTrainer:
         _init_distributed(timeout_s)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        if self.world % tp:
-            raise ConfigError(f"world size {self.world} is not divisible by tp={tp}")
-        self.dp = self.world // tp
+        if self.world % (tp * pp):
+            raise ConfigError(f"world size {self.world} is not divisible by tp * pp = {tp} * {pp}")
+        self.dp = self.world // (tp * pp)
         torch.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
         with mcore_cpu.active():
@@ -134,6 +142,7 @@ class MegatronTrainer:
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.last_stage = ps.is_pipeline_last_stage()
         config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype)
         spec = get_gpt_layer_local_spec(qk_layernorm=self.layout.qk_norm, normalization="RMSNorm")
         from patchgym.backends.trainer.megatron_convert import rope_theta
@@ -143,11 +152,14 @@ class MegatronTrainer:
             spec,
             vocab_size=self.hf_config.vocab_size,
             max_sequence_length=self.hf_config.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=self.last_stage,
             parallel_output=True,
             share_embeddings_and_output_weights=self.layout.tied,
             position_embedding_type="rope",
             rotary_base=int(rope_theta(self.hf_config)),
         )
+        self.names = self._full_names(gpt)
         self._load_hf(gpt, self.model_dir)
         module = Float16Module(config, gpt) if self.dtype == torch.bfloat16 else gpt
         ddp_config = DistributedDataParallelConfig(
@@ -171,6 +183,26 @@ class MegatronTrainer:
         )
         self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
 
+    def _full_names(self, gpt: Any) -> dict[str, str]:
+        """This stage's parameter names -> their names in the whole (unpipelined) model.
+
+        Layers are renumbered by the stage's offset; with tied embeddings the last stage's
+        output layer is its copy of the word embedding.
+        """
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        offset = get_transformer_layer_offset(gpt.config)
+        names = {}
+        for name, _ in gpt.named_parameters():
+            if name.startswith("decoder.layers."):
+                index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+                names[name] = f"decoder.layers.{int(index) + offset}.{rest}"
+            elif self.layout.tied and name == "output_layer.weight":
+                names[name] = "embedding.word_embeddings.weight"
+            else:
+                names[name] = name
+        return names
+
     def _load_hf(self, gpt: Any, directory: Path) -> None:
         from safetensors.torch import load_file
 
@@ -180,7 +212,7 @@ class MegatronTrainer:
         if not hf_state:
             raise ConfigError(f"no *.safetensors weights in {directory}")
         full = self.layout.hf_to_mcore(hf_state)
-        params = dict(gpt.named_parameters())
+        params = {self.names[name]: param for name, param in gpt.named_parameters()}
         missing = set(params) - set(full)
         if missing:
             raise ConfigError(f"the HF weights lack tensors for {sorted(missing)[:5]}")
@@ -208,12 +240,16 @@ class MegatronTrainer:
         }
 
     # -- compute ----------------------------------------------------------------------------
-    def _forward(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        from megatron.core import tensor_parallel
-
+    def _stage_forward(self, model: Any, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This stage's output: logits [b, s, v / tp] on the last stage, hidden states elsewhere."""
         ids = t["input_ids"]
         positions = torch.arange(ids.shape[1]).expand_as(ids)
-        logits = self.model(ids, positions, block_causal_mask(t["sample_index"]))  # [b, s, v / tp]
+        return model(ids, positions, block_causal_mask(t["sample_index"]))
+
+    def _token_stats(self, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies [b, s] from TP-sharded logits (entry 0 is 0)."""
+        from megatron.core import tensor_parallel
+
         logits = logits[:, :-1].float()
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), ids[:, 1:])
         with torch.no_grad():
@@ -237,22 +273,74 @@ class MegatronTrainer:
         mbs = TrainBatch(batch.samples, self.micro_batch_tokens, True, batch.pad_id).micro_batches()
         return mbs[self.dp_rank :: self.dp]
 
-    def _logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        out: list[list[float] | None] = [None] * len(batch.samples)
+    def _schedule(self, mbs: list[MicroBatch], step: Callable[..., Any], *, forward_only: bool) -> list[Any]:
+        """Run megatron-core's forward-backward schedule over `mbs`; the last stage's outputs.
+
+        `step(tensors, model)` returns the stage's output and the function the last stage
+        applies to it (a loss triple, or with `forward_only` the data to collect).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not mbs:
+            return []
+
+        def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+            return step(next(data).tensors(), model)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=self.model,
+            num_microbatches=len(mbs),
+            seq_length=max(mb.shape[1] for mb in mbs),  # shapes are sent with each tensor (variable_seq_lengths)
+            micro_batch_size=max(mb.shape[0] for mb in mbs),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    def _to_rank0(self, local: list[Any], contribute: bool) -> list[Any] | None:
+        """Every contributing rank's `local` items, concatenated on rank 0 (None on other ranks)."""
+        mine = local if contribute else []
+        if self.world == 1:
+            return mine
+        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        return None if parts is None else [item for part in parts for item in part]
+
+    def _logprob_step(self, t: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+        def collect(logits: torch.Tensor, non_loss_data: bool = True) -> list[torch.Tensor]:
+            return list(self._token_stats(logits, t["input_ids"])[0])
+
+        return self._stage_forward(model, t), collect
+
+    def _logprobs(self, batch: TrainBatch) -> list[list[float]] | None:
+        mbs = self._my_micro_batches(batch)
         self.model.eval()
         with torch.no_grad():
-            for mb in self._my_micro_batches(batch):
-                logp = self._forward(mb.tensors())[0]
-                for index, (row, start, length) in mb.spans.items():
-                    values = logp[row, start : start + length].tolist()
-                    values[0] = 0.0
-                    out[index] = values
+            rows = self._schedule(mbs, self._logprob_step, forward_only=True)
         self.model.train()
-        gathered: list[list[list[float] | None]] = [[] for _ in range(self.dp)]
-        dist.all_gather_object(gathered, out, group=self.ps.get_data_parallel_group())
-        return [next(part[i] for part in gathered if part[i] is not None) for i in range(len(batch.samples))]
+        local = []
+        for mb, logp in zip(mbs, rows, strict=False):  # rows only on the last stage
+            for index, (row, start, length) in mb.spans.items():
+                values = logp[row][start : start + length].tolist()
+                values[0] = 0.0
+                local.append((index, values))
+        gathered = self._to_rank0(local, self.last_stage and self.tp_rank == 0)
+        return None if gathered is None else [values for _, values in sorted(gathered)]
 
-    def _train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float]:
+    def _loss_step(
+        self, loss: Loss, norm: Normaliser, t: dict[str, torch.Tensor], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., Any]]:
+        def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+            logp, entropy = self._token_stats(logits, t["input_ids"])
+            value, sums = micro_batch_loss(loss, logp, t, norm, entropy=entropy)
+            return value, t["loss_mask"].sum().int(), {"loss": value.item(), **sums}
+
+        return self._stage_forward(model, t), loss_func
+
+    def _train_step(self, batch: TrainBatch, loss: Loss) -> dict[str, float] | None:
+        from megatron.core.distributed import finalize_model_grads
+
         started = time.perf_counter()
         check_batch(loss, batch)
         norm = Normaliser.of(batch)
@@ -260,29 +348,22 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim.lr * self.optim.lr_factor(self.step_count)
-        sums: dict[str, float] = {}
-        total = 0.0
-        for mb in self._my_micro_batches(batch):
-            tensors = mb.tensors()
-            logp, entropy = self._forward(tensors)
-            value, part = micro_batch_loss(loss, logp, tensors, norm, entropy=entropy)
-            (value * self.dp).backward()  # DDP averages over data-parallel ranks; the loss is already global
-            total += value.item()
-            add_sums(sums, part)
-        from megatron.core.distributed import finalize_model_grads
-
+        step = functools.partial(self._loss_step, loss, norm)
+        parts = self._schedule(self._my_micro_batches(batch), step, forward_only=False)
         finalize_model_grads([self.model])
         stepped = has_gradient(loss, batch)
         grad_norm = self.optimizer.step()[1] if stepped else 0.0
-        keys = sorted(sums | {"tokens": 0.0})
-        reduced = torch.tensor([total] + [sums.get(k, 0.0) for k in keys], dtype=torch.float64)
-        dist.all_reduce(reduced, group=self.ps.get_data_parallel_group())
-        total, sums = float(reduced[0]), {k: float(v) for k, v in zip(keys, reduced[1:].tolist(), strict=True)}
         self.step_count += stepped
         self.version += 1
+        gathered = self._to_rank0(parts, self.last_stage and self.tp_rank == 0)
+        if gathered is None:
+            return None
+        sums: dict[str, float] = {}
+        for part in gathered:
+            add_sums(sums, part)
         elapsed = time.perf_counter() - started
         return {
-            "loss": total,
+            "loss": sums.pop("loss", 0.0),
             "grad_norm": float(grad_norm or 0.0),
             "lr": self.optimizer.param_groups[0]["lr"],
             "version": float(self.version),
@@ -295,19 +376,31 @@ class MegatronTrainer:
     def _set_lr(self, lr: float) -> None:
         self.optim = replace(self.optim, lr=lr)
 
-    def _full_state(self) -> dict[str, torch.Tensor]:
-        """Every megatron tensor, gathered over tensor parallelism (on every rank)."""
+    def _full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every megatron tensor under its whole-model name, gathered over TP and pipeline stages.
+
+        On rank 0 (on its device); None on the other ranks. Other stages' tensors travel through
+        host memory. The last stage's copy of a tied embedding (megatron marks it `shared`) is
+        left out: the first stage's is the same tensor.
+        """
         group = self.ps.get_tensor_model_parallel_group()
         out = {}
         for name, param in self.gpt.named_parameters():
+            if getattr(param, "shared", False):
+                continue
             local = param.detach().float().contiguous()
             parts = [torch.empty_like(local) for _ in range(self.tp)]
             dist.all_gather(parts, local, group=group)
-            out[name] = unshard(name, parts).to(self.dtype)
-        return out
+            out[self.names[name]] = unshard(name, parts).to(self.dtype)
+        if self.pp == 1:
+            return out if self.rank == 0 else None
+        device = next(self.gpt.parameters()).device
+        stages = self._to_rank0([{k: v.cpu() for k, v in out.items()}], self.dp_rank == 0 and self.tp_rank == 0)
+        return None if stages is None else {k: v.to(device) for stage in stages for k, v in stage.items()}
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
-        return self.layout.mcore_to_hf(self._full_state())
+    def _hf_state(self) -> dict[str, torch.Tensor] | None:
+        state = self._full_state()
+        return None if state is None else self.layout.mcore_to_hf(state)
 
     def _export(self, directory: Path) -> Path:
         from safetensors.torch import save_file

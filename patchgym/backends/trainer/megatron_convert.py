@@ -52,6 +52,9 @@ class Layout:
         for name, value in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups)):
             if value % tp:
                 raise ConfigError(f"{name}={value} is not divisible by tensor parallel size {tp}")
+        if hf.num_hidden_layers % pp:
+            layers = hf.num_hidden_layers
+            raise ConfigError(f"num_hidden_layers={layers} is not divisible by pipeline parallel size {pp}")
         if hf.vocab_size % tp:
             raise ConfigError(f"vocab_size={hf.vocab_size} is not divisible by tensor parallel size {tp}")
         return TransformerConfig(
@@ -70,6 +73,10 @@ class Layout:
             qk_layernorm=self.qk_norm,
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            pipeline_dtype=dtype,
+            variable_seq_lengths=True,  # packed micro-batches differ in shape: stages send shapes first
+            moe_token_dispatcher_type="alltoall",  # no experts here; megatron refuses the default with the above
+            calculate_per_token_loss=True,  # the trainer's loss is already normalised over the step
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
             hidden_dropout=0.0,
