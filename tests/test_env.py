@@ -92,8 +92,11 @@ async def test_format_errors_are_observations_then_a_cap() -> None:
         assert (await env.step(bash("true")))[3] is False  # a good action resets the streak
         obs, _, _, truncated, _ = await env.step(bash("ls") + "\n" + bash("pwd"))
         assert "contained 2" in obs and not truncated
+        assert (await env.step(bash("true")))[3] is False
+        obs, _, _, truncated, _ = await env.step(bash("echo a\x00b"))  # no shell can take it: the agent's error
+        assert "NUL byte" in obs and not truncated
         _, reward, terminated, truncated, info = await env.step("```python\nprint(1)\n```")
-        assert (terminated, truncated, info["termination"], info["format_errors"]) == (False, True, "format_errors", 3)
+        assert (terminated, truncated, info["termination"], info["format_errors"]) == (False, True, "format_errors", 4)
         assert info["grade"] is not None and reward == 0.0
     finally:
         await env.close()

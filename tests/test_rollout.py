@@ -198,3 +198,17 @@ async def test_a_policy_that_never_varies_stalls_with_a_clear_error() -> None:
     with pytest.raises(RolloutStalledError, match=expected):
         await manager.next_batch()
     await manager.aclose()
+
+
+async def test_an_episode_that_raises_stops_the_run_instead_of_hanging_it() -> None:
+    sim = Sim()
+
+    async def buggy(task: Task) -> Trajectory:
+        if task.id == "t1":
+            raise ValueError("a bug in the episode code")
+        return await sim(task)
+
+    manager = RolloutManager(iter(tasks(4)), buggy, RolloutConfig(mode="fully_async", group_size=2, batch_groups=4))
+    with pytest.raises(ValueError, match="a bug in the episode code"):
+        await asyncio.wait_for(manager.next_batch(), timeout=30)
+    await manager.aclose()

@@ -1,6 +1,6 @@
 """Parsing the agent's assistant message into one action (mini-swe-agent's text format).
 
-A message must hold exactly one fenced block (```bash ... ```). The line
+A message must hold exactly one fenced block (```bash ... ```), without NUL bytes. The line
 `COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` submits: outside a block on its own, or as the first
 line a command prints (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`), as in mini-swe-agent.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+NUL_ERROR = "Format error: your command contains a NUL byte (\\x00), which no shell can run. Remove it."
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class BashBlockParser:
         blocks = self._block.findall(message)
         outside = self._block.sub("", message)
         submit = any(line.strip() == SUBMIT_SENTINEL for line in outside.splitlines())
+        if len(blocks) == 1 and "\x00" in blocks[0]:
+            return Action("format_error", error=NUL_ERROR)
         if len(blocks) == 1:
             return Action("command", command=blocks[0], submit=submit)
         if not blocks and submit:

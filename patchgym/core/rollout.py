@@ -107,7 +107,8 @@ class RolloutManager:
         self.version = 0
         self._started_groups = 0
         self._slots = asyncio.Semaphore(self.config.concurrency)
-        self._ready: asyncio.Queue[Group | None] = asyncio.Queue()  # None: no group will come any more
+        # None: no group will come any more; an exception: an episode raised, next_batch re-raises it
+        self._ready: asyncio.Queue[Group | Exception | None] = asyncio.Queue()
         self._running: dict[asyncio.Task[None], Group] = {}
         self._unconsumed: dict[int, Group] = {}  # started, not yet handed out or discarded
         self._wake = asyncio.Event()
@@ -148,6 +149,9 @@ class RolloutManager:
     async def _run_group(self, group: Group) -> None:
         try:
             results = await asyncio.gather(*(self._run_member(group) for _ in range(self.config.group_size)))
+        except Exception as exc:  # a bug, not an infra fault: stop the run instead of waiting forever
+            self._ready.put_nowait(exc)
+            return
         finally:
             self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
         for trajectory in results:
@@ -186,6 +190,8 @@ class RolloutManager:
             if group is None:
                 self._ready.put_nowait(None)  # stays finished for later calls
                 break
+            if isinstance(group, Exception):
+                raise group
             if self._usable(group):
                 self._unconsumed.pop(id(group), None)
                 groups.append(group)
