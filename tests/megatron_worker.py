@@ -35,14 +35,18 @@ async def drive(trainer: MegatronTrainer, out: Path) -> None:
         result["grpo"].append(await trainer.train_step(grpo, GRPOLoss()))
     await trainer.load(out / "ckpt")  # resume: the same steps again must give the same numbers
     result["grpo_resumed"] = [await trainer.train_step(grpo, GRPOLoss()) for _ in range(2)]
+    await trainer.weights(export_to=out / "hf")
     before = (await trainer.weights()).state_dict
     no_signal = TrainBatch(random_samples(8, seed=23, advantages=False))
     result["no_signal"] = await trainer.train_step(no_signal, GRPOLoss())
     after = (await trainer.weights()).state_dict
     result["no_signal_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     await trainer.set_lr(1e-4)
-    result["after_set_lr"] = await trainer.train_step(sft, SFTLoss())
-    await trainer.weights(export_to=out / "hf")
+    await trainer.reset_optimizer()
+    before = (await trainer.weights()).state_dict
+    result["after_reset"] = await trainer.train_step(sft, SFTLoss())
+    after = (await trainer.weights()).state_dict
+    result["after_reset_max_change"] = max((after[k] - before[k]).abs().max().item() for k in before)
     await trainer.aclose()
     (out / "result.json").write_text(json.dumps(result))
 

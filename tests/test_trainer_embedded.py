@@ -119,6 +119,21 @@ async def test_set_lr_changes_the_next_steps_and_keeps_the_warmup(model_dir: Pat
         await trainer.set_lr(0.0)
 
 
+async def test_reset_optimizer_gives_a_fresh_adam_step_and_warmup(model_dir: Path) -> None:
+    trainer = EmbeddedTrainer(model_dir, lr=1e-2, warmup_steps=2, grad_clip=0)
+    batch = TrainBatch(random_samples(4, seed=10, advantages=False))
+    for _ in range(3):
+        await trainer.train_step(batch, SFTLoss())
+    await trainer.set_lr(1e-4)
+    await trainer.reset_optimizer()
+    before = params(trainer)
+    metrics = await trainer.train_step(batch, SFTLoss())
+    assert metrics["lr"] == pytest.approx(1e-4 / 2)  # the warm-up starts again
+    # Adam's first step from empty moments moves every parameter with a gradient by lr (sign-like)
+    moved = max((value - before[name]).abs().max().item() for name, value in params(trainer).items())
+    assert moved == pytest.approx(1e-4 / 2, rel=1e-3)
+
+
 async def test_kl_needs_and_uses_a_reference(model_dir: Path) -> None:
     batch = TrainBatch(random_samples(4, seed=6))
     with pytest.raises(ConfigError, match="reference"):

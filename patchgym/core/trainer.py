@@ -34,6 +34,10 @@ class Trainer(Protocol):
         """Change the peak learning rate for the following steps (warm-up continues where it is)."""
         ...
 
+    async def reset_optimizer(self) -> None:
+        """Forget the optimiser's moments and restart the warm-up (e.g. between SFT and RL)."""
+        ...
+
     async def weights(self) -> Any:
         """The current weights in a form an inference engine's `update_weights` accepts."""
         ...

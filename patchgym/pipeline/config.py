@@ -94,6 +94,9 @@ class LossConfig(_Strict):
 class GRPOConfig(_Strict):
     enabled: bool = True
     steps: int = Field(10, ge=0)
+    reset_optimizer: bool = Field(
+        True, description="start GRPO with fresh optimiser moments and warm-up (SFT's would distort its steps)"
+    )
     lr: float | None = Field(None, gt=0, description="peak learning rate of this stage (None: the trainer's lr)")
     rollout: RolloutConfig = RolloutConfig()
     loss: LossConfig = LossConfig()

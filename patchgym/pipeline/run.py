@@ -327,6 +327,8 @@ class Pipeline:
         loss = GRPOLoss(cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.tis_cap)
         if cfg.lr is not None:
             await self.trainer.set_lr(cfg.lr)
+        if cfg.reset_optimizer and self.state["grpo_step"] == 0:  # a resumed GRPO keeps its own moments
+            await self.trainer.reset_optimizer()
         try:
             with _progress(self.console) as progress:
                 bar = progress.add_task("grpo", total=cfg.steps, completed=self.state["grpo_step"])

@@ -171,6 +171,12 @@ class EmbeddedTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * factor
 
+    def _reset_optimizer(self) -> None:
+        self.optimizer.state.clear()  # AdamW starts its moments afresh at the next step
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.optim.lr
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optim.lr_factor)
+
     def _state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
 
@@ -229,6 +235,10 @@ class EmbeddedTrainer:
     async def set_lr(self, lr: float) -> None:
         """Change the peak learning rate for the following steps (warm-up continues where it is)."""
         await self._run(self._set_lr, lr)
+
+    async def reset_optimizer(self) -> None:
+        """Forget the optimiser's moments and restart the warm-up (e.g. between SFT and RL)."""
+        await self._run(self._reset_optimizer)
 
     async def weights(self, export_to: Path | None = None) -> TrainerWeights:
         """A copy of the current state dict; with `export_to`, also an HF-format directory (for SGLang)."""

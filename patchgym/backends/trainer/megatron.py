@@ -376,6 +376,11 @@ class MegatronTrainer:
     def _set_lr(self, lr: float) -> None:
         self.optim = replace(self.optim, lr=lr)
 
+    def _reset_optimizer(self) -> None:
+        for optimizer in self._optimizers():
+            optimizer.optimizer.state.clear()  # Adam starts its moments afresh at the next step
+        self.step_count = 0
+
     def _full_state(self) -> dict[str, torch.Tensor] | None:
         """Every megatron tensor under its whole-model name, gathered over TP and pipeline stages.
 
@@ -453,6 +458,7 @@ class MegatronTrainer:
             "save": self._save,
             "load": self._load,
             "set_lr": self._set_lr,
+            "reset_optimizer": self._reset_optimizer,
         }
         with mcore_cpu.active():
             return handlers[command](*args)
@@ -490,6 +496,10 @@ class MegatronTrainer:
     async def set_lr(self, lr: float) -> None:
         """Change the peak learning rate for the following steps (warm-up continues where it is)."""
         await self._run("set_lr", lr)
+
+    async def reset_optimizer(self) -> None:
+        """Forget the optimiser's moments and restart the warm-up (e.g. between SFT and RL)."""
+        await self._run("reset_optimizer")
 
     async def weights(self, export_to: Path | None = None) -> TrainerWeights:
         """The full weights in HF names (gathered over TP); with `export_to`, also an HF directory."""
