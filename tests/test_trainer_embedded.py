@@ -29,11 +29,12 @@ def params(trainer: EmbeddedTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
 
 
-async def test_packed_padded_and_single_logprobs_agree(model_dir: Path) -> None:
+@pytest.mark.parametrize("attention", ["varlen", "sdpa", "eager"])
+async def test_packed_padded_and_single_logprobs_agree(model_dir: Path, attention: str) -> None:
     samples = random_samples(9, seed=1)
-    packed = EmbeddedTrainer(model_dir, micro_batch_tokens=128)
-    padded = EmbeddedTrainer(model_dir, micro_batch_tokens=128, packing=False)
-    assert isinstance(packed, Trainer)
+    packed = EmbeddedTrainer(model_dir, micro_batch_tokens=128, attention=attention)
+    padded = EmbeddedTrainer(model_dir, micro_batch_tokens=128, attention=attention, packing=False)
+    assert isinstance(packed, Trainer) and packed.settings()["attention"] == attention
     a = await packed.logprobs(TrainBatch(samples))
     b = await padded.logprobs(TrainBatch(samples))
     singles = [(await packed.logprobs(TrainBatch([s])))[0] for s in samples]

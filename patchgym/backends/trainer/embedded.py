@@ -1,7 +1,9 @@
 """The embedded trainer: a transformers causal LM trained in this process with torch.
 
 Packed micro-batches go through the model without an attention mask and with position ids
-that restart at every sample, which transformers turns into a block-diagonal causal mask, so
+that restart at every sample. With `attention="varlen"` (the default) each sample's attention
+runs on its own (`varlen_attention.py`), at sum(L_i^2) cost; with "sdpa" or "eager",
+transformers builds a block-diagonal causal mask over the whole row instead. Either way
 attention never crosses samples. All compute runs in one worker thread: the event loop stays
 free while a step runs, and steps never overlap.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from patchgym.backends.trainer import varlen_attention
 from patchgym.backends.trainer.common import (
     OptimSettings,
     TrainerWeights,
@@ -31,17 +34,24 @@ from patchgym.core.losses import Loss, has_gradient, summarize, token_logprobs
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+ATTENTION = {"varlen": varlen_attention.VARLEN, "sdpa": "sdpa", "eager": "eager"}
+"""The `attention` setting -> transformers' attention implementation."""
 
 
-def _load_model(model: Any, dtype: torch.dtype) -> Any:
+def _load_model(model: Any, dtype: torch.dtype, attention: str) -> Any:
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
-        return model.to(dtype)
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model {str(model)!r} is not a Hugging Face model directory (no config.json there)")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        loaded = model.to(dtype)
+    else:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model {str(model)!r} is not a Hugging Face model directory (no config.json there)")
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    loaded.set_attn_implementation(ATTENTION[attention])
+    if loaded.config._attn_implementation != ATTENTION[attention]:
+        raise ConfigError(f"{type(loaded).__name__} cannot switch to attention {attention!r}; use 'sdpa' or 'eager'")
+    return loaded
 
 
 class EmbeddedTrainer:
@@ -60,6 +70,7 @@ class EmbeddedTrainer:
         packing: bool = True,
         micro_batch_rows: int | None = None,
         gradient_checkpointing: bool = False,
+        attention: str = "varlen",
         reference_model: Any = None,
         dtype: str = "float32",
         seed: int = 0,
@@ -69,11 +80,13 @@ class EmbeddedTrainer:
             raise ConfigError(f"micro_batch_tokens must be at least 2 (got {micro_batch_tokens})")
         if not hasattr(torch, dtype):
             raise ConfigError(f"unknown dtype {dtype!r}; use float32 or bfloat16")
+        if attention not in ATTENTION:
+            raise ConfigError(f"unknown attention {attention!r}; use one of {sorted(ATTENTION)}")
         torch.manual_seed(seed)
         if threads is not None:
             torch.set_num_threads(threads)
         self.dtype = getattr(torch, dtype)
-        self.model = _load_model(model, self.dtype)
+        self.model = _load_model(model, self.dtype, attention)
         self.model.train()
         if gradient_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
@@ -82,7 +95,7 @@ class EmbeddedTrainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
         if reference_model is not None:
-            self.reference = _load_model(reference_model, self.dtype).eval().requires_grad_(False)
+            self.reference = _load_model(reference_model, self.dtype, attention).eval().requires_grad_(False)
         self.optim = OptimSettings(lr, weight_decay, betas, grad_clip=grad_clip, warmup_steps=warmup_steps)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=betas, eps=self.optim.eps, weight_decay=weight_decay
@@ -92,6 +105,7 @@ class EmbeddedTrainer:
         self.packing = packing
         self.micro_batch_rows = micro_batch_rows
         self.gradient_checkpointing = gradient_checkpointing
+        self.attention = attention
         self.threads = threads
         self.version = 0
         self._pad_id = self.model.config.pad_token_id or 0
@@ -105,6 +119,7 @@ class EmbeddedTrainer:
             "packing": self.packing,
             "micro_batch_rows": self.micro_batch_rows,
             "gradient_checkpointing": self.gradient_checkpointing,
+            "attention": self.attention,
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": self.threads or torch.get_num_threads(),
             "worker_threads": 1,
