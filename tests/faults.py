@@ -161,11 +161,15 @@ goes down with every request in flight (connections cut) and comes back on the s
 
 class SGLangFront:
     """SGLang's native HTTP API in front of an in-process engine, on 127.0.0.1, with `faults` by
-    the order in which /generate requests arrive (a request keeps its order over its retries)."""
+    the order in which /generate requests arrive (a request keeps its order over its retries);
+    `restart_at_pause` n: the server restarts when the n-th /pause_generation (from 0) arrives,
+    that is between two steps, as the weight sync begins."""
 
     def __init__(self, engine: InferenceEngine, faults: Mapping[int, EngineFault] | None = None) -> None:
         self.engine = engine
         self.faults = dict(faults or {})
+        self.restart_at_pause: int | None = None
+        self.pauses = 0
         self.port = 0
         self.attempts: Counter[int] = Counter()
         """/generate attempts per request (by arrival order)."""
@@ -234,6 +238,10 @@ class SGLangFront:
         if path == "/generate":
             return await self._generate(body)
         if path == "/pause_generation":
+            self.pauses += 1
+            if self.pauses - 1 == self.restart_at_pause:
+                self._restarting = asyncio.create_task(self._restart())
+                await forever()  # cut
             await self.engine.pause()
         elif path == "/continue_generation":
             await self.engine.resume()

@@ -2,7 +2,10 @@
 embedded trainer, local sandboxes, easy tasks), never by timing. After each run every trajectory
 is trained on exactly once or logged as lost with its infra_error kind, the failures are counted
 by kind in the step metrics, none is scored or reaches the loss, and the run ends at the right
-step and policy version. (SIGKILL and resume: tests/test_pipeline.py.)"""
+step and policy version. (SIGKILL and resume: tests/test_pipeline.py.)
+
+The few real-time waits are settings set small: a 1 s command timeout, a 3 s exec grace, a 5 s
+HTTP request timeout, each sized for a loaded CI machine."""
 
 from __future__ import annotations
 
@@ -206,4 +209,19 @@ async def test_engine_restart_mid_step_fails_requests_in_flight_and_the_run_goes
     errors = [s["infra_errors_by_kind"] for s in step_metrics(config)]
     assert front.cut_requests >= 2 and errors == [{}, {"transport": front.cut_requests}, {}]
     assert front.weight_versions == [1, 2, 3]
+    check_end(config, parts)
+
+
+async def test_engine_restart_between_steps_is_survived_by_the_weight_sync(
+    tmp_path: Path, tiny_model_dir: Path, front: SGLangFront
+) -> None:
+    parts = Parts(tmp_path, SandboxFaults())
+    front.restart_at_pause = 0  # the server goes down as the weights of step 1 are about to be sent
+    config = fault_config(tmp_path, tiny_model_dir, steps=2, changes={"inference": http_engine(parts, front, {})})
+    await run(config)
+    assert front.restarts == 1 and front.pauses == 3  # the cut pause was sent again, then step 2's
+    assert front.weight_versions == [1, 2] and front.served_after_restart > 0
+    assert parts.trainer is not None
+    check_grpo_accounting(config.run_dir, steps=2, trained=parts.trainer.batches, on_policy=True)
+    assert [s["infra_errors_by_kind"] for s in step_metrics(config)] == [{}, {}]
     check_end(config, parts)
