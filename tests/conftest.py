@@ -160,6 +160,12 @@ def require_train_extra() -> None:
         pytest.skip(f"needs pip install 'patchgym[train]' ({exc})", allow_module_level=True)
 
 
+@pytest.fixture
+def train_extra() -> None:
+    """Use with `pytest.mark.usefixtures("train_extra")` on tests that need torch and transformers."""
+    require_train_extra()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 model and tokenizer (patchgym.models.tiny), written once per session."""

@@ -165,6 +165,27 @@ async def test_sandbox_lost_mid_episode_is_an_infra_error(env: AsyncSWEEnv) -> N
     await env.sandbox.close()
     _, _, _, truncated, info = await env.step(bash("ls"))
     assert truncated and info["infra_error"]["kind"] == "sandbox_lost" and info["grade"] is None
+    assert env.trajectory is not None and len(env.trajectory.turns) == 1  # the action taken has its turn
+
+
+async def test_a_hung_exec_is_a_lost_sandbox_but_a_command_timeout_is_the_agents(tmp_path: Path) -> None:
+    from patchgym.backends.sandbox.local import LocalSandboxBackend
+    from tests.faults import HANG, FaultySandboxBackend, SandboxFaults
+
+    faults = SandboxFaults()
+    backend = FaultySandboxBackend(LocalSandboxBackend(root_dir=tmp_path, isolation="none"), faults)
+    env = AsyncSWEEnv("tiny", backend, command_timeout_s=0.5, exec_grace_s=1.0)
+    try:
+        await env.reset(options={"task": "roman-subtractive"})
+        obs, _, _, truncated, info = await env.step(bash("sleep 30"))  # killed by the sandbox: data
+        assert "<returncode>timeout</returncode>" in obs and not truncated and info["infra_error"] is None
+        _, reward, _, truncated, info = await env.step(bash(f": {HANG}"))  # the sandbox never answers
+        assert faults.hung and truncated and reward == 0.0 and info["grade"] is None
+        assert info["infra_error"]["kind"] == "sandbox_lost" and "within 1.5 s" in info["infra_error"]["message"]
+        assert env.trajectory is not None and len(env.trajectory.turns) == 2 and env.trajectory.turns[0].timed_out
+    finally:
+        await env.close()
+        await backend.aclose()
 
 
 async def test_failing_setup_command_is_an_infra_error(tmp_path: Path) -> None:

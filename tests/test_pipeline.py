@@ -16,48 +16,14 @@ import yaml
 from typer.testing import CliRunner
 
 from patchgym.core.metrics import read_events
+from tests.pipeline_support import check_grpo_accounting, run_config
 
 pytestmark = pytest.mark.usefixtures("train_extra")
 
 
-@pytest.fixture
-def train_extra() -> None:
-    from tests.conftest import require_train_extra
-
-    require_train_extra()
-
-
 def write_config(tmp_path: Path, *, steps: int, sft: bool = True) -> Path:
-    config = {
-        "run_dir": str(tmp_path / "run"),
-        "seed": 0,
-        "tasks": {
-            "train": {"name": "easy", "options": {"count": 4, "split": "train", "cache_dir": str(tmp_path / "cache")}},
-            "eval": {"name": "easy", "options": {"count": 2, "split": "eval", "cache_dir": str(tmp_path / "cache")}},
-        },
-        "sandbox": {"name": "local", "options": {"isolation": "none"}},
-        "inference": {"name": "embedded", "options": {"max_context": 1024, "max_batch_size": 8}},
-        "trainer": {"name": "embedded", "options": {"lr": 1e-3}},
-        "env": {"max_turns": 2, "command_timeout_s": 20},
-        "agent": {"max_new_tokens_per_turn": 16, "max_tokens_per_trajectory": 1024},
-        "sft": {"enabled": sft, "epochs": 1, "batch_size": 4, "lr": 2e-3},
-        "grpo": {
-            "steps": steps,
-            "lr": 1e-4,
-            "rollout": {
-                "mode": "fully_async",
-                "group_size": 2,
-                "batch_groups": 1,
-                "concurrency": 4,
-                "zero_variance": "keep",
-            },
-        },
-        "eval": {"attempts": 1, "concurrency": 4},
-        "checkpoint_every": 1,
-        "metrics": {"tensorboard": True},
-    }
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(run_config(tmp_path, steps=steps, sft=sft)))
     return path
 
 
@@ -71,6 +37,7 @@ def test_full_run_writes_events_checkpoints_and_a_report(tmp_path: Path) -> None
     assert set(evals) == {"base", "sft", "grpo"} and all(e["tasks"] == 2 for e in evals.values())
     steps = read_events(run, "step")
     assert [s["step"] for s in steps] == [1, 2]
+    check_grpo_accounting(run, steps=2)
     for step in steps:
         assert set(step["timings"]) == {"actor_update_s", "rollout_wait_s", "logprob_recompute_s", "weight_sync_s"}
         assert step["limits"]["group_size"] == 2
@@ -122,6 +89,7 @@ def test_resume_after_sigkill_loses_and_repeats_nothing(tmp_path: Path) -> None:
     assert steps == [1, 2, 3, 4]
     trained = Counter(e["step"] for e in read_events(run, "trajectory") if e["stage"] == "grpo")
     assert trained == {1: 2, 2: 2, 3: 2, 4: 2}  # every step trained on one group of 2, none twice
+    check_grpo_accounting(run, steps=4)
     assert [e["event"] for e in read_events(run, "run")] == ["start", "resume", "end"]
     assert "base" in resumed.stdout and "grpo" in resumed.stdout  # the table covers every stage
     assert json.loads((run / "state.json").read_text())["grpo_step"] == 4

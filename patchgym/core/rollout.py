@@ -68,12 +68,14 @@ class RolloutConfig(BaseModel):
 
 @dataclass
 class Group:
-    """G attempts at one task. `members` holds the valid ones; `excluded` those lost to infra errors."""
+    """G attempts at one task. `members` holds the valid ones; `excluded` the members lost to infra
+    errors after their last retry; `retried` the failed attempts that were replaced by a retry."""
 
     task: Task
     start_version: int
     members: list[Trajectory] = field(default_factory=list)
     excluded: list[Trajectory] = field(default_factory=list)
+    retried: list[Trajectory] = field(default_factory=list)
     started_at: float = 0.0
     finished_at: float = 0.0
     finish_times: list[float] = field(default_factory=list)
@@ -107,7 +109,7 @@ class RolloutManager:
         self.version = 0
         self._started_groups = 0
         self._slots = asyncio.Semaphore(self.config.concurrency)
-        # None: no group will come any more; an exception: an episode raised, next_batch re-raises it
+        # None: no group will come any more; an exception: an episode failed other than by an infra error
         self._ready: asyncio.Queue[Group | Exception | None] = asyncio.Queue()
         self._running: dict[asyncio.Task[None], Group] = {}
         self._unconsumed: dict[int, Group] = {}  # started, not yet handed out or discarded
@@ -149,7 +151,7 @@ class RolloutManager:
     async def _run_group(self, group: Group) -> None:
         try:
             results = await asyncio.gather(*(self._run_member(group) for _ in range(self.config.group_size)))
-        except Exception as exc:  # a bug, not an infra fault: stop the run instead of waiting forever
+        except Exception as exc:  # a bug, not an infra fault (those are data): the consumer raises it
             self._ready.put_nowait(exc)
             return
         finally:
@@ -170,6 +172,7 @@ class RolloutManager:
             self._infra_kinds[str(trajectory.infra_error.get("kind", "infra"))] += 1
             if attempt < self.config.max_infra_retries:
                 self._counters["infra_retries"] += 1
+                group.retried.append(trajectory)
         self._counters["members_excluded"] += 1
         return trajectory
 
@@ -184,13 +187,14 @@ class RolloutManager:
         waited = time.perf_counter()
         groups: list[Group] = []
         counters_before = Counter(self._counters)
+        infra_before = Counter(self._infra_kinds)
         discarded = 0
         while len(groups) < self.config.batch_groups:
             group = await self._ready.get()
-            if group is None:
-                self._ready.put_nowait(None)  # stays finished for later calls
-                break
-            if isinstance(group, Exception):
+            if group is None or isinstance(group, Exception):
+                self._ready.put_nowait(group)  # stays finished (or failed) for later calls
+                if group is None:
+                    break
                 raise group
             if self._usable(group):
                 self._unconsumed.pop(id(group), None)
@@ -206,7 +210,7 @@ class RolloutManager:
                 )
         if not groups:
             return None
-        metrics = self._metrics(groups, time.perf_counter() - waited, counters_before)
+        metrics = self._metrics(groups, time.perf_counter() - waited, counters_before, infra_before)
         return Batch(groups, self.version, metrics)
 
     def _usable(self, group: Group) -> bool:
@@ -255,7 +259,9 @@ class RolloutManager:
         await asyncio.gather(*runners, return_exceptions=True)
 
     # -- metrics -------------------------------------------------------------------------
-    def _metrics(self, groups: list[Group], wait_s: float, counters_before: Counter[str]) -> dict[str, Any]:
+    def _metrics(
+        self, groups: list[Group], wait_s: float, counters_before: Counter[str], infra_before: Counter[str]
+    ) -> dict[str, Any]:
         trajectories = [t for g in groups for t in g.members]
         finishes = sorted(f for g in groups for f in g.finish_times)
         begin = min(g.started_at for g in groups)
@@ -274,7 +280,7 @@ class RolloutManager:
             "staleness_max": max(self.version - g.start_version for g in groups),
             "tail_share_after_90pct": (end - t90) / (end - begin) if end > begin else 0.0,
             "terminations": dict(Counter(t.termination or "none" for t in trajectories)),
-            "infra_errors_by_kind": dict(self._infra_kinds),
+            "infra_errors_by_kind": dict(self._infra_kinds - infra_before),  # since the previous batch
             **{k: self._counters[k] - counters_before[k] for k in self._counters},
             "limits": self.config.model_dump(),
         }

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from patchgym.core.actions import BashBlockParser, submitted_by_output
 from patchgym.core.config import validate
-from patchgym.core.errors import ConfigError, InfraError
+from patchgym.core.errors import ConfigError, InfraError, SandboxLostError
 from patchgym.core.output import head_tail
 from patchgym.core.plugins import registry
 from patchgym.core.sandbox import ExecResult, Sandbox, SandboxBackend
@@ -66,6 +66,9 @@ class EnvConfig(BaseModel):
     max_wall_s: float = Field(3600.0, gt=0, description="wall-clock seconds per episode, from reset")
     max_format_errors: int = Field(3, gt=0, description="consecutive malformed messages before truncation")
     command_timeout_s: float = Field(120.0, gt=0, description="seconds one command may run")
+    exec_grace_s: float = Field(
+        60.0, gt=0, description="seconds a sandbox may overrun a command's timeout before it counts as lost"
+    )
     max_output_bytes: int = Field(1_000_000, gt=0, description="bytes of stdout/stderr captured per command")
     observation_max_chars: int = Field(10_000, gt=0, description="command output shown to the agent (head + tail)")
     action_fence: str = Field("bash", description="language tag of the fenced command block")
@@ -180,15 +183,12 @@ class AsyncSWEEnv:
             return await self._finish("", action, "submitted")
         remaining = self.config.max_wall_s - (time.perf_counter() - self._started)
         if remaining <= 0:
+            self.trajectory.turns.append(Turn(action, "", "command"))  # every action taken has its turn
             return await self._finish("", action, "max_wall_time")
-        assert self.sandbox is not None
         try:
-            result = await self.sandbox.exec(
-                parsed.command,
-                timeout_s=min(self.config.command_timeout_s, remaining),
-                max_output_bytes=self.config.max_output_bytes,
-            )
+            result = await self._exec(parsed.command, min(self.config.command_timeout_s, remaining))
         except InfraError as exc:
+            self.trajectory.turns.append(Turn(action, "", "command"))
             self._end("infra_error", infra_error=exc)
             return await self._finish("", action, "infra_error")
         observation = render_command_result(result, self.config.observation_max_chars)
@@ -207,6 +207,22 @@ class AsyncSWEEnv:
         if submit:
             return await self._finish(observation, action, "submitted")
         return await self._finish_if_capped(observation, action)
+
+    async def _exec(self, command: str, timeout_s: float) -> ExecResult:
+        """Run the agent's command. A command that outlives `timeout_s` is killed by the sandbox and
+        reported as timed out (the agent's doing); a sandbox that does not answer within
+        `exec_grace_s` after that is lost (an infrastructure fault)."""
+        assert self.sandbox is not None
+        deadline = timeout_s + self.config.exec_grace_s
+        try:
+            return await asyncio.wait_for(
+                self.sandbox.exec(command, timeout_s=timeout_s, max_output_bytes=self.config.max_output_bytes),
+                deadline,
+            )
+        except TimeoutError:
+            raise SandboxLostError(
+                f"the sandbox did not answer within {deadline:.1f} s a command it had to stop after {timeout_s:.1f} s"
+            ) from None
 
     async def truncate(self, reason: str) -> tuple[float, dict[str, Any]]:
         """End the episode because of a cap the caller enforces (e.g. a token budget); grades it."""

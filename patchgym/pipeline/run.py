@@ -346,7 +346,7 @@ class Pipeline:
         for group in batch.groups:
             advantages = group_advantages(group.rewards, normalize_std=self.config.grpo.loss.normalize_std)
             samples += [to_sample(t, a or 0.0) for t, a in zip(group.members, advantages, strict=True)]
-            for trajectory in [*group.members, *group.excluded]:
+            for trajectory in [*group.members, *group.excluded, *group.retried]:
                 self.log.emit("trajectory", stage="grpo", step=self.state["grpo_step"] + 1, **describe(trajectory))
         started = time.perf_counter()
         metrics = await self.trainer.train_step(TrainBatch(samples), loss)
