@@ -229,4 +229,3 @@ async def test_a_policy_that_never_varies_stalls_with_a_clear_error() -> None:
     with pytest.raises(RolloutStalledError, match=expected):
         await manager.next_batch()
     await manager.aclose()
-
