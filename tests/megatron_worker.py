@@ -28,6 +28,7 @@ async def drive(trainer: MegatronTrainer, out: Path) -> None:
     sft = TrainBatch(random_samples(8, seed=21, advantages=False))
     grpo = TrainBatch(random_samples(8, seed=22))
     result = {"settings": trainer.settings(), "logprobs": await trainer.logprobs(grpo), "sft": [], "grpo": []}
+    result["logprobs_t07"] = await trainer.logprobs(TrainBatch(grpo.samples, temperature=0.7))
     for _ in range(STEPS):
         result["sft"].append(await trainer.train_step(sft, SFTLoss()))
     await trainer.save(out / "ckpt")

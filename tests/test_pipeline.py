@@ -63,6 +63,11 @@ def test_misspelt_config_keys_are_clear_errors(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(data))
     result = CliRunner().invoke(app, ["run", str(path)])
     assert result.exit_code == 2 and "grpo.stepz: unknown key; did you mean 'steps'?" in result.output
+    data["grpo"]["steps"] = data["grpo"].pop("stepz")
+    data["agent"]["temperature"] = 0.0
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 2 and "GRPO learns from sampled rollouts" in " ".join(result.output.split())
 
 
 def test_resume_after_sigkill_loses_and_repeats_nothing(tmp_path: Path) -> None:

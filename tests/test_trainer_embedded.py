@@ -135,6 +135,27 @@ async def test_reset_optimizer_gives_a_fresh_adam_step_and_warmup(model_dir: Pat
     assert moved == pytest.approx(1e-4 / 2, rel=1e-3)
 
 
+async def test_logprobs_at_the_sampling_temperature_match_the_engine(model_dir: Path) -> None:
+    from patchgym.backends.inference.embedded import EmbeddedEngine
+    from patchgym.core.inference import SamplingParams
+
+    engine = EmbeddedEngine(model_dir, max_context=128, stop_at_eos=False)
+    prompt = [1, 40, 7, 30, 12]
+    try:
+        generation = await engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0.6, seed=3))
+    finally:
+        await engine.aclose()
+    tokens = prompt + list(generation.token_ids)
+    sample = Sample(tokens, [0] * len(prompt) + [1] * len(generation.token_ids))
+    trainer = EmbeddedTrainer(model_dir)
+    tempered = (await trainer.logprobs(TrainBatch([sample], temperature=0.6)))[0][len(prompt) :]
+    plain = (await trainer.logprobs(TrainBatch([sample])))[0][len(prompt) :]
+    assert tempered == pytest.approx(list(generation.logprobs), abs=1e-4)  # like with like: IS weights are right
+    assert max(abs(a - b) for a, b in zip(plain, generation.logprobs, strict=True)) > 1e-2
+    with pytest.raises(ConfigError, match="temperature > 0"):
+        TrainBatch([sample], temperature=0.0)
+
+
 async def test_kl_needs_and_uses_a_reference(model_dir: Path) -> None:
     batch = TrainBatch(random_samples(4, seed=6))
     with pytest.raises(ConfigError, match="reference"):

@@ -85,11 +85,14 @@ def assert_same_run(reference: dict, other: dict, name: str) -> None:
 
 def test_same_hf_weights_same_logprobs_as_embedded(runs: dict) -> None:
     embedded = EmbeddedTrainer(runs["model"])
-    expected = asyncio.run(embedded.logprobs(TrainBatch(random_samples(8, seed=22))))
+    samples = random_samples(8, seed=22)
+    expected = asyncio.run(embedded.logprobs(TrainBatch(samples)))
+    tempered = asyncio.run(embedded.logprobs(TrainBatch(samples, temperature=0.7)))  # the sampling temperature
     for name in ("tp1", "tp2", "dp2", "pp2"):
-        got = runs[name]["logprobs"]
-        for a, b in zip(got, expected, strict=True):
-            assert a == pytest.approx(b, abs=LOGPROB_TOLERANCE), name
+        for key, reference in (("logprobs", expected), ("logprobs_t07", tempered)):
+            for a, b in zip(runs[name][key], reference, strict=True):
+                assert a == pytest.approx(b, abs=LOGPROB_TOLERANCE), (name, key)
+    assert tempered[0][5:] != pytest.approx(expected[0][5:], abs=1e-3)
 
 
 def test_tp2_dp2_and_pp2_match_tp1_over_several_steps(runs: dict) -> None:

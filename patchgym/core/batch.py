@@ -195,10 +195,18 @@ class TrainBatch:
     pad_id: int = 0
     rows: int | None = None
     """Without packing: a fixed number of rows per micro-batch (None: as many as the budget allows)."""
+    temperature: float = 1.0
+    """The temperature the engine sampled these tokens at: trainers take log-probs of logits / temperature,
+    the distribution the engine's log-probs come from, so importance weights compare like with like."""
 
     def __post_init__(self) -> None:
         if not self.samples:
             raise ConfigError("a training batch needs at least one sample")
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"a training batch needs a sampling temperature > 0 (got {self.temperature}); "
+                "greedy (temperature 0) rollouts have no distribution to train"
+            )
 
     def micro_batches(self) -> list[MicroBatch]:
         if self.packing:

@@ -131,6 +131,15 @@ class RunConfig(_Strict):
     checkpoint_every: int = Field(5, ge=1, description="GRPO steps between checkpoints")
     metrics: MetricsConfig = MetricsConfig()
 
+    @model_validator(mode="after")
+    def _grpo_samples(self) -> RunConfig:
+        if self.grpo.enabled and self.grpo.steps and self.agent.temperature == 0:
+            raise ValueError(
+                "agent.temperature is 0 (greedy) but GRPO learns from sampled rollouts: set agent.temperature > 0 "
+                "(evaluation has its own eval.temperature)"
+            )
+        return self
+
 
 def load_run_config(path: str | Path) -> RunConfig:
     return load_yaml(RunConfig, path)

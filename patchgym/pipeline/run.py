@@ -349,7 +349,7 @@ class Pipeline:
             for trajectory in [*group.members, *group.excluded, *group.retried]:
                 self.log.emit("trajectory", stage="grpo", step=self.state["grpo_step"] + 1, **describe(trajectory))
         started = time.perf_counter()
-        metrics = await self.trainer.train_step(TrainBatch(samples), loss)
+        metrics = await self.trainer.train_step(TrainBatch(samples, temperature=self.config.agent.temperature), loss)
         actor_s = time.perf_counter() - started
         self.state["version"] += 1
         sync_s = await self._sync_weights(self.state["version"])

@@ -130,9 +130,11 @@ class EmbeddedTrainer:
     # -- compute (worker thread) ----------------------------------------------------------
     def _prepare(self, batch: TrainBatch) -> TrainBatch:
         """Apply this trainer's micro-batch settings to `batch`."""
-        return TrainBatch(batch.samples, self.micro_batch_tokens, self.packing, self._pad_id, self.micro_batch_rows)
+        return TrainBatch(
+            batch.samples, self.micro_batch_tokens, self.packing, self._pad_id, self.micro_batch_rows, batch.temperature
+        )
 
-    def _forward_with(self, model: Any) -> Any:
+    def _forward_with(self, model: Any, temperature: float = 1.0) -> Any:
         def forward(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             packed = t["input_ids"].shape[0] == 1  # one row: samples end to end, separated by position ids
             logits = model(
@@ -141,7 +143,7 @@ class EmbeddedTrainer:
                 attention_mask=None if packed else t["attention_mask"],
                 use_cache=False,
             ).logits
-            return token_logprobs(logits, t["input_ids"])
+            return token_logprobs(logits / temperature if temperature != 1.0 else logits, t["input_ids"])
 
         return forward
 
@@ -149,7 +151,7 @@ class EmbeddedTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            return per_sample_logprobs(self._prepare(batch), self._forward_with(self.model))
+            return per_sample_logprobs(self._prepare(batch), self._forward_with(self.model, batch.temperature))
         finally:
             self.model.train(was_training)
 
@@ -157,8 +159,9 @@ class EmbeddedTrainer:
         started = time.perf_counter()
         batch = self._prepare(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        reference = self._forward_with(self.reference) if self.reference is not None else None
-        total, sums = accumulate_gradients(batch, loss, self._forward_with(self.model), reference=reference)
+        reference = self._forward_with(self.reference, batch.temperature) if self.reference is not None else None
+        forward = self._forward_with(self.model, batch.temperature)
+        total, sums = accumulate_gradients(batch, loss, forward, reference=reference)
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         lr = self.optimizer.param_groups[0]["lr"]

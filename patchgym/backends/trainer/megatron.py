@@ -246,11 +246,13 @@ class MegatronTrainer:
         positions = torch.arange(ids.shape[1]).expand_as(ids)
         return model(ids, positions, block_causal_mask(t["sample_index"]))
 
-    def _token_stats(self, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs and entropies [b, s] from TP-sharded logits (entry 0 is 0)."""
+    def _token_stats(
+        self, logits: torch.Tensor, ids: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and entropies [b, s] of logits / temperature, TP-sharded (entry 0 is 0)."""
         from megatron.core import tensor_parallel
 
-        logits = logits[:, :-1].float()
+        logits = logits[:, :-1].float() / temperature
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), ids[:, 1:])
         with torch.no_grad():
             entropy = self._vocab_parallel_entropy(logits)
@@ -307,9 +309,11 @@ class MegatronTrainer:
         dist.gather_object(mine, parts, dst=0)
         return None if parts is None else [item for part in parts for item in part]
 
-    def _logprob_step(self, t: dict[str, torch.Tensor], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+    def _logprob_step(
+        self, temperature: float, t: dict[str, torch.Tensor], model: Any
+    ) -> tuple[torch.Tensor, Callable[..., Any]]:
         def collect(logits: torch.Tensor, non_loss_data: bool = True) -> list[torch.Tensor]:
-            return list(self._token_stats(logits, t["input_ids"])[0])
+            return list(self._token_stats(logits, t["input_ids"], temperature)[0])
 
         return self._stage_forward(model, t), collect
 
@@ -317,7 +321,7 @@ class MegatronTrainer:
         mbs = self._my_micro_batches(batch)
         self.model.eval()
         with torch.no_grad():
-            rows = self._schedule(mbs, self._logprob_step, forward_only=True)
+            rows = self._schedule(mbs, functools.partial(self._logprob_step, batch.temperature), forward_only=True)
         self.model.train()
         local = []
         for mb, logp in zip(mbs, rows, strict=False):  # rows only on the last stage
@@ -329,10 +333,10 @@ class MegatronTrainer:
         return None if gathered is None else [values for _, values in sorted(gathered)]
 
     def _loss_step(
-        self, loss: Loss, norm: Normaliser, t: dict[str, torch.Tensor], model: Any
+        self, loss: Loss, norm: Normaliser, temperature: float, t: dict[str, torch.Tensor], model: Any
     ) -> tuple[torch.Tensor, Callable[..., Any]]:
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-            logp, entropy = self._token_stats(logits, t["input_ids"])
+            logp, entropy = self._token_stats(logits, t["input_ids"], temperature)
             value, sums = micro_batch_loss(loss, logp, t, norm, entropy=entropy)
             return value, t["loss_mask"].sum().int(), {"loss": value.item(), **sums}
 
@@ -348,7 +352,7 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim.lr * self.optim.lr_factor(self.step_count)
-        step = functools.partial(self._loss_step, loss, norm)
+        step = functools.partial(self._loss_step, loss, norm, batch.temperature)
         parts = self._schedule(self._my_micro_batches(batch), step, forward_only=False)
         finalize_model_grads([self.model])
         stepped = has_gradient(loss, batch)
