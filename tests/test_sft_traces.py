@@ -296,29 +296,23 @@ def test_sft_traces_setting() -> None:
 def run_config(tmp_path: Path, traces: list[dict[str, Any]]) -> Path:
     """A short run on a 1-layer tiny model: base evaluation, SFT on `traces`, evaluation; no GRPO."""
     from tests.conftest import require_train_extra
+    from tests.pipeline_support import run_config as whole_run
 
     require_train_extra()
-    cache = str(tmp_path / "cache")
-    config = {
-        "run_dir": str(tmp_path / "run"),
+    changes = {
         "model": {"init_tiny": {"num_hidden_layers": 1}},
-        "tasks": {
-            "train": {"name": "easy", "options": {"count": 2, "split": "train", "cache_dir": cache}},
-            "eval": {"name": "easy", "options": {"count": 1, "split": "eval", "cache_dir": cache}},
-        },
-        "sandbox": {"name": "local", "options": {"isolation": "none"}},
-        "inference": {"name": "embedded", "options": {"max_context": 1024, "max_batch_size": 4}},
-        "trainer": {"name": "embedded", "options": {"lr": 3e-3}},
-        "env": {"max_turns": 1, "command_timeout_s": 20},
-        "agent": {"max_new_tokens_per_turn": 8, "max_tokens_per_trajectory": 1024},
-        "sft": {
-            "epochs": 1,
-            "batch_size": 1,
-            "traces": traces,
-        },
+        "tasks": {"train": {"options": {"count": 2}}, "eval": {"options": {"count": 1}}},
+        "inference": {"options": {"max_batch_size": 4}},
+        "trainer": {"options": {"lr": 3e-3}},
+        "env": {"max_turns": 1},
+        "agent": {"max_new_tokens_per_turn": 8},
+        "sft": {"batch_size": 1, "lr": None, "traces": traces},
         "grpo": {"enabled": False},
-        "eval": {"attempts": 1, "concurrency": 2},
+        "eval": {"concurrency": 2},
+        "checkpoint_every": 5,
+        "metrics": {"tensorboard": False},
     }
+    config = whole_run(tmp_path, steps=0, changes=changes)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
