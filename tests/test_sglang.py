@@ -324,6 +324,21 @@ async def test_bucketed_broadcast_of_trainer_weights(
         await engine.aclose()
 
 
+async def test_megatron_tp2_weights_reach_sglang_by_bucketed_broadcast(
+    engine: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The real hand-off: Megatron ranks gather TP shards into HF names, rank 0 broadcasts them in buckets."""
+    before = await sample_all(engine)
+    worker = Path(__file__).with_name("megatron_sglang_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
+    command += [f"--master_port={free_port()}", str(worker), str(tiny_model_dir), engine.urls[0], str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
+    _, stderr = await asyncio.wait_for(proc.communicate(), timeout=600)
+    assert proc.returncode == 0, stderr.decode()[-4000:]
+    await check_weights(engine, load_model(tmp_path / "hf"), 6, before)
+
+
 async def test_refused_weight_update_is_an_error(engine: Any, tmp_path: Path) -> None:
     from patchgym.backends.inference.sglang import WeightUpdateError
 
