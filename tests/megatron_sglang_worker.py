@@ -25,7 +25,7 @@ VERSION = 6
 
 
 async def drive(trainer: MegatronTrainer, url: str, out: Path) -> None:
-    batch = TrainBatch(random_samples(8, seed=5, advantages=False))
+    batch = TrainBatch(random_samples(8, seed=7, advantages=False))  # not the weights other tests load
     for _ in range(3):
         await trainer.train_step(batch, SFTLoss())
     weights = (await trainer.weights(export_to=out / "hf")).state_dict

@@ -40,7 +40,7 @@ class WeightBroadcaster:
     def __init__(
         self, master_address: str, master_port: int, world_size: int, backend: str, group_name: str, timeout_s: float
     ) -> None:
-        self.init_method = f"tcp://{master_address}:{master_port}"
+        self.master_address, self.master_port = master_address, master_port
         self.world_size = world_size
         self.backend = backend
         self.group_name = group_name
@@ -49,14 +49,18 @@ class WeightBroadcaster:
 
     def join(self) -> None:
         """Rendezvous with every engine rank; returns once the group exists."""
+        from torch.distributed import TCPStore
         from torch.distributed import distributed_c10d as c10d
 
         try:
-            store, rank, _ = next(c10d.rendezvous(self.init_method, 0, self.world_size, timeout=self.timeout))
-            store.set_timeout(self.timeout)
+            # This rank hosts the store itself: under torchrun, `c10d.rendezvous` would only connect
+            # to the launcher's agent store (TORCHELASTIC_USE_AGENT_STORE) and never meet the engines.
+            store = TCPStore(
+                self.master_address, self.master_port, self.world_size, True, self.timeout, multi_tenant=True
+            )
             group, _ = c10d._new_process_group_helper(
                 self.world_size,
-                rank,
+                0,
                 [],
                 c10d.Backend(self.backend),
                 c10d.PrefixStore(self.group_name, store),
