@@ -120,6 +120,22 @@ async def test_sandbox_lost_mid_episode_is_retried_then_excluded(tmp_path: Path,
     check_end(config, parts)
 
 
+async def test_a_discarded_group_is_logged_not_lost(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # Step 1's first group loses sandbox 0 with no retry, so it has too few valid members and is set aside.
+    parts = Parts(tmp_path, SandboxFaults(lose={0}))
+    rollout = {"group_size": 3, "min_valid_members": 3, "max_infra_retries": 0}
+    config = fault_config(tmp_path, tiny_model_dir, steps=1, changes={"grpo": {"rollout": rollout}})
+    await run(config)
+    assert parts.trainer is not None
+    logged = check_grpo_accounting(config.run_dir, steps=1, trained=parts.trainer.batches, on_policy=True)
+    (step,) = step_metrics(config)
+    assert step["groups_too_few_valid"] == 1 and step["infra_errors_by_kind"] == {"sandbox_lost": 1}
+    set_aside = [t for t in logged[1] if t.get("discarded")]
+    assert len(set_aside) == 3 and {t["discarded"] for t in set_aside} == {"groups_too_few_valid"}
+    assert sum(1 for t in set_aside if t["infra_error"]) == 1 and len(parts.trainer.batches[0]) == 3
+    check_end(config, parts)
+
+
 async def test_hung_exec_is_infra_but_a_command_timeout_is_the_agents(tmp_path: Path, tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 

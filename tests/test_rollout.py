@@ -170,6 +170,9 @@ async def test_zero_variance_groups_are_dropped_or_resampled() -> None:
     await manager.aclose()
     assert batch is not None and {g.task.id for g in batch.groups}.isdisjoint({"t0", "t1"})
     assert batch.metrics["groups_zero_variance_drop"] == 2
+    # the dropped groups travel with the batch, so their trajectories are logged rather than lost
+    assert sorted(g.task.id for g in batch.discarded) == ["t0", "t1"]
+    assert all(g.discarded == "groups_zero_variance_drop" and len(g.members) == 2 for g in batch.discarded)
 
     sim = Sim()
 

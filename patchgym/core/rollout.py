@@ -79,6 +79,8 @@ class Group:
     started_at: float = 0.0
     finished_at: float = 0.0
     finish_times: list[float] = field(default_factory=list)
+    discarded: str | None = None
+    """Why the group was not trained on (a `groups_*` counter name), if it was not."""
 
     @property
     def rewards(self) -> list[float]:
@@ -96,6 +98,8 @@ class Batch:
     groups: list[Group]
     version: int
     metrics: dict[str, Any]
+    discarded: list[Group] = field(default_factory=list)
+    """Groups set aside since the previous batch (see `Group.discarded`), so that they can be logged."""
 
 
 class RolloutManager:
@@ -118,6 +122,7 @@ class RolloutManager:
         self._tasks_done = False
         self._counters: Counter[str] = Counter()
         self._infra_kinds: Counter[str] = Counter()
+        self._discarded: list[Group] = []
 
     # -- producer ------------------------------------------------------------------------
     def _capacity(self) -> int:
@@ -211,7 +216,8 @@ class RolloutManager:
         if not groups:
             return None
         metrics = self._metrics(groups, time.perf_counter() - waited, counters_before, infra_before)
-        return Batch(groups, self.version, metrics)
+        discarded, self._discarded = self._discarded, []
+        return Batch(groups, self.version, metrics, discarded)
 
     def _usable(self, group: Group) -> bool:
         if self.version - group.start_version > self.config.staleness:
@@ -228,6 +234,8 @@ class RolloutManager:
         """Count why a group is not used and give its place back to a new group."""
         self._unconsumed.pop(id(group), None)
         self._counters[reason] += 1
+        group.discarded = reason
+        self._discarded.append(group)
         self._started_groups -= 1
         self._wake.set()
         return False

@@ -346,8 +346,12 @@ class Pipeline:
         for group in batch.groups:
             advantages = group_advantages(group.rewards, normalize_std=self.config.grpo.loss.normalize_std)
             samples += [to_sample(t, a or 0.0) for t, a in zip(group.members, advantages, strict=True)]
+        for group in [*batch.groups, *batch.discarded]:
             for trajectory in [*group.members, *group.excluded, *group.retried]:
-                self.log.emit("trajectory", stage="grpo", step=self.state["grpo_step"] + 1, **describe(trajectory))
+                extra = {"discarded": group.discarded} if group.discarded else {}
+                self.log.emit(
+                    "trajectory", stage="grpo", step=self.state["grpo_step"] + 1, **describe(trajectory), **extra
+                )
         started = time.perf_counter()
         metrics = await self.trainer.train_step(TrainBatch(samples, temperature=self.config.agent.temperature), loss)
         actor_s = time.perf_counter() - started
