@@ -43,7 +43,7 @@ class Trainer(Protocol):
         ...
 
     async def save(self, directory: Path) -> None:
-        """Checkpoint model, optimiser, scheduler and RNG state."""
+        """Checkpoint model, optimiser (with its step count and learning rate) and RNG state."""
         ...
 
     async def load(self, directory: Path) -> None:

@@ -1,9 +1,10 @@
-"""Pieces shared by the trainer backends: settings, weight hand-off, scheduler, RNG state."""
+"""Pieces shared by the trainer backends: settings, weight hand-off, step metrics, RNG state."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 
 from patchgym.core.batch import TrainBatch
 from patchgym.core.errors import ConfigError
-from patchgym.core.losses import GRPOLoss, Loss, Normaliser, add_sums, check_batch, micro_batch_loss
+from patchgym.core.losses import GRPOLoss, Loss, Normaliser, add_sums, check_batch, micro_batch_loss, summarize
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ class OptimSettings:
                 f"need lr > 0, grad_clip >= 0, warmup_steps >= 0 (got {self.lr}, {self.grad_clip}, {self.warmup_steps})"
             )
 
-    def lr_factor(self, step: int) -> float:
-        return min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimiser step `step` (counted from 0)."""
+        return self.lr * (min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,6 +51,12 @@ class TrainerWeights:
     state_dict: dict[str, torch.Tensor] | None = None
     path: Path | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def step_metrics(batch: TrainBatch, started: float, sums: Mapping[str, float], **values: float) -> dict[str, float]:
+    """A train step's metrics: `values` (loss, grad norm, lr, ...), its time and speed, and the loss sums."""
+    elapsed = time.perf_counter() - started
+    return {**values, "step_s": elapsed, "tokens_per_s": batch.total_tokens / elapsed, **summarize(sums)}
 
 
 def rng_state() -> dict[str, Any]:

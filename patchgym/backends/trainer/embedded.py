@@ -27,10 +27,11 @@ from patchgym.backends.trainer.common import (
     per_sample_logprobs,
     rng_state,
     set_rng_state,
+    step_metrics,
 )
 from patchgym.core.batch import TrainBatch
 from patchgym.core.errors import ConfigError
-from patchgym.core.losses import Loss, has_gradient, summarize, token_logprobs
+from patchgym.core.losses import Loss, has_gradient, token_logprobs
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
@@ -100,7 +101,8 @@ class EmbeddedTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=betas, eps=self.optim.eps, weight_decay=weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optim.lr_factor)
+        self.step_count = 0
+        """Optimiser steps taken (the warm-up's clock; steps skipped for lack of a gradient do not count)."""
         self.micro_batch_tokens = micro_batch_tokens
         self.packing = packing
         self.micro_batch_rows = micro_batch_rows
@@ -164,36 +166,31 @@ class EmbeddedTrainer:
         total, sums = accumulate_gradients(batch, loss, forward, reference=reference)
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.optim.lr_at(self.step_count)
         stepped = has_gradient(loss, batch)
         if stepped:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
-            self.scheduler.step()
+            self.step_count += 1
         self.version += 1
-        elapsed = time.perf_counter() - started
-        return {
-            "loss": total,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "version": float(self.version),
-            "optimizer_skipped": float(not stepped),
-            "step_s": elapsed,
-            "tokens_per_s": batch.total_tokens / elapsed,
-            **summarize(sums),
-        }
+        return step_metrics(
+            batch,
+            started,
+            sums,
+            loss=total,
+            grad_norm=grad_norm,
+            lr=lr,
+            version=float(self.version),
+            optimizer_skipped=float(not stepped),
+        )
 
     def _set_lr(self, lr: float) -> None:
         self.optim = replace(self.optim, lr=lr)
-        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
-        factor = self.optim.lr_factor(self.scheduler.last_epoch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * factor
 
     def _reset_optimizer(self) -> None:
         self.optimizer.state.clear()  # AdamW starts its moments afresh at the next step
-        for group in self.optimizer.param_groups:
-            group["initial_lr"] = self.optim.lr
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.optim.lr_factor)
+        self.step_count = 0
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
@@ -208,7 +205,8 @@ class EmbeddedTrainer:
         state = {
             "version": self.version,
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "step": self.step_count,
+            "lr": self.optim.lr,
             "rng": rng_state(),
             "settings": self.settings(),
         }
@@ -234,9 +232,9 @@ class EmbeddedTrainer:
             self.model.tie_weights()
         state = torch.load(state_path, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        self.version = state["version"]
+        self.version, self.step_count = state["version"], state["step"]
+        self.optim = replace(self.optim, lr=state["lr"])
 
     # -- the Trainer contract ---------------------------------------------------------------
     async def _run(self, fn: Any, *args: Any) -> Any:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from patchgym.backends.trainer import mcore_cpu
-from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state
+from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state, step_metrics
 from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
 from patchgym.core.batch import MicroBatch, TrainBatch
 from patchgym.core.errors import ConfigError
@@ -50,7 +50,6 @@ from patchgym.core.losses import (
     check_batch,
     has_gradient,
     micro_batch_loss,
-    summarize,
 )
 
 STATE_FILE = "megatron_state_rank{rank}.pt"
@@ -351,7 +350,7 @@ class MegatronTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         for group in self.optimizer.param_groups:
-            group["lr"] = self.optim.lr * self.optim.lr_factor(self.step_count)
+            group["lr"] = self.optim.lr_at(self.step_count)
         step = functools.partial(self._loss_step, loss, norm, batch.temperature)
         parts = self._schedule(self._my_micro_batches(batch), step, forward_only=False)
         finalize_model_grads([self.model])
@@ -365,17 +364,16 @@ class MegatronTrainer:
         sums: dict[str, float] = {}
         for part in gathered:
             add_sums(sums, part)
-        elapsed = time.perf_counter() - started
-        return {
-            "loss": sums.pop("loss", 0.0),
-            "grad_norm": float(grad_norm or 0.0),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "version": float(self.version),
-            "optimizer_skipped": float(not stepped),
-            "step_s": elapsed,
-            "tokens_per_s": batch.total_tokens / elapsed,
-            **summarize(sums),
-        }
+        return step_metrics(
+            batch,
+            started,
+            sums,
+            loss=sums.pop("loss", 0.0),
+            grad_norm=float(grad_norm or 0.0),
+            lr=self.optimizer.param_groups[0]["lr"],
+            version=float(self.version),
+            optimizer_skipped=float(not stepped),
+        )
 
     def _set_lr(self, lr: float) -> None:
         self.optim = replace(self.optim, lr=lr)
