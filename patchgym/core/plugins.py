@@ -27,7 +27,8 @@ from patchgym.core.errors import ConfigError, PluginError
 PROJECT = "patchgym"
 ENTRY_POINT_GROUP = "patchgym"
 PLUGIN_API_VERSION = 1
-"""A plugin module may set `PATCHGYM_PLUGIN_API = 1`; another value is refused."""
+"""The plugin API this patchgym speaks (see docs/plugins.md for what it covers). A plugin module
+declares the one it was written for with `PATCHGYM_PLUGIN_API = 1`; another value is refused."""
 
 BUILTIN_PLUGINS = {
     "builtin-sandboxes": "patchgym.backends.sandbox.plugin",
@@ -113,6 +114,18 @@ def _short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{at}"
 
 
+def _check_api_version(plugin: Any) -> None:
+    """Refuse a plugin written for another plugin API, saying which side to upgrade."""
+    version = getattr(plugin, "PATCHGYM_PLUGIN_API", PLUGIN_API_VERSION)
+    if version == PLUGIN_API_VERSION:
+        return
+    newer = isinstance(version, int) and version > PLUGIN_API_VERSION
+    fix = "upgrade patchgym" if newer else "upgrade the plugin, or use a patchgym that speaks its API"
+    raise PluginError(
+        f"plugin API {version!r} is not supported: this patchgym speaks plugin API {PLUGIN_API_VERSION}; {fix}"
+    )
+
+
 class Registry:
     """Loads plugins once, lazily, and resolves names to factories."""
 
@@ -160,11 +173,7 @@ class Registry:
                 continue
             try:
                 plugin = loader()
-                version = getattr(plugin, "PATCHGYM_PLUGIN_API", PLUGIN_API_VERSION)
-                if version != PLUGIN_API_VERSION:
-                    raise PluginError(
-                        f"plugin API {version} is not supported (this patchgym speaks {PLUGIN_API_VERSION})"
-                    )
+                _check_api_version(plugin)
                 self.manager.register(plugin, name=name)
                 self.manager.check_pending()
             except (Exception, SystemExit) as exc:  # a broken plugin must not break the others

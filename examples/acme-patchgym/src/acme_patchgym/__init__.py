@@ -1,0 +1,1 @@
+"""ACME's patchgym plugins (an example third-party distribution; see docs/plugins.md in patchgym)."""
