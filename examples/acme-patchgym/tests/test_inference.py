@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from patchgym.backends.sandbox.local import LocalSandboxBackend
+from patchgym.core.plugins import registry
 from patchgym.envs.agent import run_agent
 from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
 from patchgym.testing.inference import InferenceEngineConformance
@@ -32,7 +32,7 @@ async def test_policy_reads_the_sandbox_and_solves_the_task(
 ) -> None:
     tasks = LedgerTaskSet(count=1, lines=4, seed=2)
     engine = ScriptedEngine(str(model_dir), mistake_rate=mistake_rate)
-    backend = LocalSandboxBackend(root_dir=tmp_path)
+    backend = registry().create("sandbox", "local", root_dir=str(tmp_path))
     env = AsyncSWEEnv(tasks, backend, config=EnvConfig(max_turns=4))
     try:
         trajectory = await run_agent(env, engine, engine.tokenizer, tasks.get("acme-ledger-2-000"))

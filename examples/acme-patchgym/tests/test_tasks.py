@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from patchgym.backends.sandbox.local import LocalSandboxBackend
 from patchgym.core.errors import ConfigError
+from patchgym.core.plugins import registry
 from patchgym.core.tasks import start_task_sandbox
 from patchgym.testing.tasks import assert_task_set_valid, task_set_problems
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.asyncio
 
 
 async def test_task_set_is_valid(tmp_path: Path) -> None:
-    backend = LocalSandboxBackend(root_dir=tmp_path)
+    backend = registry().create("sandbox", "local", root_dir=str(tmp_path))
     try:
         results = await assert_task_set_valid(LedgerTaskSet(count=4, seed=3), backend)
     finally:
@@ -36,7 +36,7 @@ async def test_generation_is_deterministic_and_options_are_checked() -> None:
 
 async def test_grader_judges_the_total_not_the_invoices(tmp_path: Path) -> None:
     task = LedgerTaskSet(count=1, lines=3, seed=1).get("acme-ledger-1-000")
-    backend = LocalSandboxBackend(root_dir=tmp_path)
+    backend = registry().create("sandbox", "local", root_dir=str(tmp_path))
     try:
         async with await start_task_sandbox(backend, task) as box:
             missing = await task.grader.grade(box)
