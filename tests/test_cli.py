@@ -69,7 +69,8 @@ def test_plugins_json_lists_builtins() -> None:
     assert report["conflicts"] == []
 
 
-def test_plugins_table_lists_names_by_kind() -> None:
+def test_plugins_table_lists_names_by_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATCHGYM_PLUGINS", "")  # built-ins only: CI also installs examples/acme-patchgym
     result = invoke("plugins")
     assert result.exit_code == 0, result.output
     out = text(result)
