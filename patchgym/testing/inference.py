@@ -22,10 +22,8 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any, get_args
 
-import pytest
-import pytest_asyncio
-
 from patchgym.core.inference import FinishReason, Generation, InferenceEngine, SamplingParams
+from patchgym.testing._pytest import pytest, pytest_asyncio
 
 __all__ = ["InferenceEngineConformance", "check_generation"]
 

@@ -27,11 +27,9 @@ import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
-import pytest_asyncio
-
 from patchgym.core.errors import InfraError, SandboxLostError, SandboxStartError
 from patchgym.core.sandbox import Sandbox, SandboxBackend, SandboxPathError, SandboxSpec
+from patchgym.testing._pytest import pytest, pytest_asyncio
 
 __all__ = ["SandboxConformance", "make_workspace"]
 
