@@ -38,7 +38,7 @@ from patchgym.core.plugins import registry
 from patchgym.core.rollout import Batch, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.trajectory import Trajectory
-from patchgym.core.validation import oracle_command
+from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, run_agent
 from patchgym.envs.swe import AsyncSWEEnv
 from patchgym.pipeline.config import RunConfig, TraceSource
@@ -54,12 +54,12 @@ def _progress(console: Console) -> Progress:
 
 
 class OraclePolicy:
-    """A scripted policy that runs a task's oracle command, then submits: SFT traces by replay."""
+    """A scripted policy that runs a task's oracle commands, one per turn, then submits: SFT traces by replay."""
 
     max_context = 1 << 30
 
     def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
-        self._messages = [f"```bash\n{oracle_command(task)}\n```", SUBMIT_MESSAGE]
+        self._messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
         self._tokenizer, self._end = tokenizer, turn_end_id
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:

@@ -1,0 +1,159 @@
+"""The generated `locate` family: the fix needs what a command shows, and the oracle takes two turns."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from patchgym.backends.sandbox.local import LocalSandboxBackend
+from patchgym.core.errors import ConfigError
+from patchgym.core.tasks import Task
+from patchgym.core.validation import oracle_turns, validate_task
+from patchgym.envs.agent import run_agent
+from patchgym.envs.swe import AsyncSWEEnv
+from patchgym.pipeline.run import SUBMIT_MESSAGE, OraclePolicy
+from patchgym.plugins.locate import generate_locate_tasks, locate_task_set
+from patchgym.plugins.mix import mixed_task_set
+
+SED = re.compile(r"^sed -i '(\d+)s/(\d)/(\d)/' (\w+\.py)$")
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def where(task: Task) -> tuple[int, str]:
+    """The line and module the oracle's edit goes to."""
+    found = SED.match(task.oracle_turns[1])
+    assert found, task.oracle_turns
+    return int(found[1]), found[4]
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[AsyncSWEEnv]:
+    environment = AsyncSWEEnv(locate_task_set(24, 0, "eval", str(tmp_path)), LocalSandboxBackend(), max_turns=4)
+    yield environment
+    await environment.close()
+    await environment.backend.aclose()
+
+
+async def play(env: AsyncSWEEnv, task: Task, commands: list[str]) -> tuple[list[str], float, str]:
+    """Run `commands` one per turn, then submit: the observations, the reward and the termination."""
+    await env.reset(options={"task": task})
+    observations = []
+    for command in commands:
+        observation, *_ = await env.step(f"```bash\n{command}\n```")
+        observations.append(observation)
+    _, reward, terminated, _, info = await env.step(SUBMIT_MESSAGE)
+    assert terminated
+    return observations, reward, info["termination"]
+
+
+def test_generation_is_deterministic_and_splits_are_disjoint(tmp_path: Path) -> None:
+    generate_locate_tasks(tmp_path / "a", count=16, seed=3, split="train")
+    generate_locate_tasks(tmp_path / "b", count=16, seed=3, split="train")
+    assert snapshot(tmp_path / "a") == snapshot(tmp_path / "b")
+    train = {t.instruction + (t.gold_patch or "") for t in locate_task_set(64, 3, "train", str(tmp_path / "c"))}
+    held_out = {t.instruction + (t.gold_patch or "") for t in locate_task_set(64, 3, "eval", str(tmp_path / "c"))}
+    assert len(train) == 64 and not train & held_out
+
+
+def test_the_issue_hides_where_and_only_grep_shows_it(tmp_path: Path) -> None:
+    """No issue names a module or a line; the grep names one line; places vary; the wrong constant has a decoy."""
+    tasks = list(locate_task_set(64, 0, "train", str(tmp_path)))
+    places = set()
+    for task in tasks:
+        line, module = where(task)
+        places.add((line, module))
+        assert ".py" not in task.instruction and not re.search(r"\bline\b", task.instruction)
+        name = task.oracle_turns[0].split()[2]
+        repo = Path(task.sandbox.workspace or "")
+        hits = [
+            (p.name, i + 1, text)
+            for p in sorted(repo.glob("*.py"))
+            for i, text in enumerate(p.read_text().splitlines())
+            if name in text
+        ]
+        assert [(m, n) for m, n, _ in hits] == [(module, line)], hits
+        bad = SED.match(task.oracle_turns[1])[2]  # type: ignore[index]
+        elsewhere = [t for p in repo.glob("*.py") for t in p.read_text().splitlines() if bad in t and name not in t]
+        assert elsewhere, f"{task.id}: the wrong constant {bad} appears only in the buggy line"
+    assert len({line for line, _ in places}) >= 8 and len({module for _, module in places}) >= 5
+
+
+def test_every_task_validates(tmp_path: Path) -> None:
+    """Gold patch (and oracle) → reward 1, empty patch → reward 0, for each task of both splits."""
+    tasks = [*locate_task_set(6, 0, "train", str(tmp_path)), *locate_task_set(6, 0, "eval", str(tmp_path))]
+
+    async def main() -> None:
+        backend = LocalSandboxBackend()
+        try:
+            validations = await asyncio.gather(*(validate_task(backend, t) for t in tasks))
+        finally:
+            await backend.aclose()
+        assert all(v.valid for v in validations), [v.problems for v in validations if not v.valid]
+
+    asyncio.run(main())
+
+
+async def test_the_oracle_needs_the_observation(env: AsyncSWEEnv) -> None:
+    """The oracle's grep shows the module:line its sed edits and solves the task; the same commands with
+    the line (or the module) of another task, or a blind replacement in every file, earn reward 0."""
+    tasks = list(env.task_set)[:4]
+    for task in tasks:
+        line, module = where(task)
+        observations, reward, termination = await play(env, task, list(task.oracle_turns))
+        assert (reward, termination) == (1.0, "submitted")
+        assert f"{module}:{line}:" in observations[0]
+        other_line = next(n for n, _ in map(where, env.task_set) if n != line)
+        moved = task.oracle_turns[1].replace(f"'{line}s/", f"'{other_line}s/")
+        assert (await play(env, task, [task.oracle_turns[0], moved]))[1] == 0.0
+        other_module = next(m for _, m in map(where, env.task_set) if m != module)
+        renamed = task.oracle_turns[1].replace(f" {module}", f" {other_module}")
+        assert (await play(env, task, [task.oracle_turns[0], renamed]))[1] == 0.0
+        blind = re.sub(r"'\d+s/", "'s/", task.oracle_turns[1]).replace(module, "*.py")
+        assert (await play(env, task, [blind]))[1] == 0.0
+
+
+async def test_oracle_replay_takes_a_turn_per_command(env: AsyncSWEEnv, tiny_model_dir: Path) -> None:
+    """SFT's oracle replay: grep, sed, submit as three assistant turns, solved."""
+    from transformers import AutoTokenizer
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = next(iter(env.task_set))
+    assert len(oracle_turns(task)) == 2
+    policy = OraclePolicy(tokenizer, task, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    trajectory = await run_agent(env, policy, tokenizer, task)
+    assert [t.kind for t in trajectory.turns] == ["command", "command", "submit"]
+    assert trajectory.reward == 1.0 and trajectory.termination == "submitted"
+    assert f"{where(task)[1]}:{where(task)[0]}:" in trajectory.turns[0].observation
+
+
+def test_mix_interleaves_families_and_rejects_shared_ids(tmp_path: Path) -> None:
+    cache = str(tmp_path)
+    mix = mixed_task_set(
+        [
+            {"name": "easy", "options": {"count": 2, "cache_dir": cache}},
+            {"name": "locate", "options": {"count": 6, "cache_dir": cache}},
+        ]
+    )
+    families = [task.id.split("-")[0] for task in mix]
+    assert families == ["locate", "easy", "locate", "locate", "locate", "easy", "locate", "locate"]
+    assert mix.name == "mix(easy-train,locate-train)"
+    twice = [{"name": "locate", "options": {"count": 2, "cache_dir": cache}}] * 2
+    with pytest.raises(ConfigError, match="more than one mixed task set: locate-train-0000"):
+        list(mixed_task_set(twice))
+    with pytest.raises(ConfigError, match="each set is"):
+        mixed_task_set([{"name": "easy", "count": 2}])
+
+
+def test_bad_options_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="locate task set split must be one of train, eval"):
+        locate_task_set(split="test", cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="locate task set count must be >= 1"):
+        locate_task_set(count=0, cache_dir=str(tmp_path))
