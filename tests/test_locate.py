@@ -9,16 +9,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from typer.testing import CliRunner
 
 from patchgym.backends.sandbox.local import LocalSandboxBackend
 from patchgym.core.errors import ConfigError
+from patchgym.core.metrics import read_events
 from patchgym.core.tasks import Task
 from patchgym.core.validation import oracle_turns, validate_task
-from patchgym.envs.agent import run_agent
+from patchgym.envs.agent import episode_stats, run_agent
 from patchgym.envs.swe import AsyncSWEEnv
 from patchgym.pipeline.run import SUBMIT_MESSAGE, OraclePolicy
 from patchgym.plugins.locate import generate_locate_tasks, locate_task_set
 from patchgym.plugins.mix import mixed_task_set
+from tests.pipeline_support import run_config
 
 SED = re.compile(r"^sed -i '(\d+)s/(\d)/(\d)/' (\w+\.py)$")
 
@@ -157,3 +161,64 @@ def test_bad_options_are_clear_errors(tmp_path: Path) -> None:
         locate_task_set(split="test", cache_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="locate task set count must be >= 1"):
         locate_task_set(count=0, cache_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("settings", "capped", "submitted"),
+    [
+        ({"unsubmitted": "graded"}, (1.0, True), (1.0, True)),
+        ({"unsubmitted": "zero"}, (0.0, False), (1.0, True)),
+        ({"unsubmitted": "zero", "turn_cost": 0.125}, (-0.5, False), (0.625, True)),
+    ],
+)
+async def test_unsubmitted_episodes_and_turn_costs(
+    tmp_path: Path, settings: dict[str, Any], capped: tuple[float, bool], submitted: tuple[float, bool]
+) -> None:
+    """A fix the turn cap ends unsubmitted is graded (`graded`) or scored 0 ungraded (`zero`); each turn
+    costs `turn_cost`; evaluation counts `resolved`, which no cost changes."""
+    backend = LocalSandboxBackend()
+    env = AsyncSWEEnv(locate_task_set(2, 0, "eval", str(tmp_path)), backend, max_turns=4, **settings)
+    try:
+        task = next(iter(env.task_set))
+        await env.reset(options={"task": task})
+        for command in [*task.oracle_turns, "git diff --stat", "ls"]:
+            _, reward, terminated, truncated, info = await env.step(f"```bash\n{command}\n```")
+        assert (terminated, truncated, info["termination"]) == (False, True, "max_turns")
+        assert env.trajectory is not None
+        assert (reward, env.trajectory.resolved) == capped
+        assert ("grade_s" in info["timings"]) == (settings["unsubmitted"] == "graded")
+        capped_run = env.trajectory
+        _, reward, _ = await play(env, task, list(task.oracle_turns))
+        assert (reward, env.trajectory.resolved) == submitted
+        stats = episode_stats([capped_run, env.trajectory])
+        assert stats == {"commands_mean": 3.0, "submit_rate": 0.5, "turn_cap_share": 0.5}
+    finally:
+        await env.close()
+        await backend.aclose()
+
+
+@pytest.mark.usefixtures("train_extra")
+def test_a_locate_run_reports_how_episodes_end(tmp_path: Path) -> None:
+    """`patchgym run` on locate: two-command oracle traces, eval and step metrics of episode endings, the plot."""
+    cache = str(tmp_path / "cache")
+    changes = {
+        "tasks": {
+            "train": {"name": "locate", "options": {"count": 4, "split": "train", "cache_dir": cache}},
+            "eval": {"name": "locate", "options": {"count": 2, "split": "eval", "cache_dir": cache}},
+        },
+        "env": {"max_turns": 3, "unsubmitted": "zero"},
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(run_config(tmp_path, steps=1, changes=changes)))
+    from patchgym.cli import app
+
+    result = CliRunner().invoke(app, ["run", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "submitted" in result.output and "at turn cap" in result.output
+    run = tmp_path / "run"
+    assert read_events(run, "sft_traces")[0]["kept"] == 4  # every two-command oracle replay solved its task
+    for event in [*read_events(run, "eval"), *read_events(run, "step")]:
+        assert {"commands_mean", "submit_rate", "turn_cap_share"} <= set(event)
+        assert 0 <= event["submit_rate"] + event["turn_cap_share"] <= 1 and 0 <= event["commands_mean"] <= 3
+    assert CliRunner().invoke(app, ["report", str(run)]).exit_code == 0
+    assert (run / "report" / "endings.png").stat().st_size > 0

@@ -39,7 +39,7 @@ from patchgym.core.rollout import Batch, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
-from patchgym.envs.agent import AgentConfig, describe, run_agent
+from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
 from patchgym.envs.swe import AsyncSWEEnv
 from patchgym.pipeline.config import RunConfig, TraceSource
 from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces, trace_files
@@ -231,7 +231,7 @@ class Pipeline:
         for trajectory in runs:
             self.log.emit("trajectory", stage=f"eval-{stage}", **describe(trajectory))
             if trajectory.trainable:
-                per_task.setdefault(trajectory.task_id, []).append(trajectory.reward or 0.0)
+                per_task.setdefault(trajectory.task_id, []).append(float(trajectory.resolved))
         scored = [rewards for rewards in per_task.values() if rewards]
         result = {
             "pass_at_1": sum(sum(r) / len(r) for r in scored) / len(scored) if scored else 0.0,
@@ -239,6 +239,7 @@ class Pipeline:
             "k": c.attempts,
             "tasks": len(scored),
             "infra_errors": sum(1 for t in runs if t.infra_error),
+            **episode_stats(runs),
         }
         self.log.emit("eval", stage=stage, step=self.state["grpo_step"], **result)
         self.results[stage] = result
@@ -263,7 +264,7 @@ class Pipeline:
 
         samples = []
         for trajectory in await asyncio.gather(*(trace(t) for t in tasks)):
-            solved = trajectory.reward == 1.0
+            solved = trajectory.resolved
             skip = "oracle replay infra error" if trajectory.infra_error else "oracle replay not solved"
             sample = tally.admit(trajectory.task_id, to_sample(trajectory) if solved else None, skip, cap, too_long)
             if sample is not None:
@@ -370,7 +371,7 @@ class Pipeline:
                 "weight_sync_s": sync_s,
             },
             response_length_mean=sum(sum(t.loss_mask) for t in trajectories) / len(trajectories),
-            turn_cap_share=sum(t.termination == "max_turns" for t in trajectories) / len(trajectories),
+            **episode_stats(trajectories),
             trainer=metrics,
             **{k: v for k, v in batch.metrics.items() if k != "rollout_wait_s"},
         )
@@ -410,7 +411,10 @@ class Pipeline:
         return self.results
 
     def _print_results(self) -> None:
-        table = Table("stage", "pass@1", "pass@k", "tasks", title=f"held-out evaluation ({self.run_dir})")
-        for stage, result in self.results.items():
-            table.add_row(stage, f"{result['pass_at_1']:.1%}", f"{result['pass_at_k']:.1%}", str(result["tasks"]))
+        columns = ("stage", "pass@1", "pass@k", "tasks", "commands", "submitted", "at turn cap")
+        table = Table(*columns, title=f"held-out evaluation ({self.run_dir})")
+        for stage, r in self.results.items():
+            shape = [f"{r.get('commands_mean', 0.0):.2f}", f"{r.get('submit_rate', 0.0):.1%}"]
+            shape.append(f"{r.get('turn_cap_share', 0.0):.1%}")
+            table.add_row(stage, f"{r['pass_at_1']:.1%}", f"{r['pass_at_k']:.1%}", str(r["tasks"]), *shape)
         self.console.print(table)
