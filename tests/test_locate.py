@@ -1,10 +1,11 @@
-"""The generated `locate` family: the fix needs what a command shows, and the oracle takes two turns."""
+"""The generated `locate` family (the fix needs what a command shows; the oracle takes two turns), generated
+families in general, the `mix` task set, and how unsubmitted episodes are scored."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,12 @@ from typer.testing import CliRunner
 from patchgym.backends.sandbox.local import LocalSandboxBackend
 from patchgym.core.errors import ConfigError
 from patchgym.core.metrics import read_events
-from patchgym.core.tasks import Task
+from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import oracle_turns, validate_task
 from patchgym.envs.agent import episode_stats, run_agent
 from patchgym.envs.swe import AsyncSWEEnv
 from patchgym.pipeline.run import SUBMIT_MESSAGE, OraclePolicy
+from patchgym.plugins.easy import easy_task_set, generate_easy_tasks
 from patchgym.plugins.locate import generate_locate_tasks, locate_task_set
 from patchgym.plugins.mix import mixed_task_set
 from tests.pipeline_support import run_config
@@ -58,12 +60,17 @@ async def play(env: AsyncSWEEnv, task: Task, commands: list[str]) -> tuple[list[
     return observations, reward, info["termination"]
 
 
-def test_generation_is_deterministic_and_splits_are_disjoint(tmp_path: Path) -> None:
-    generate_locate_tasks(tmp_path / "a", count=16, seed=3, split="train")
-    generate_locate_tasks(tmp_path / "b", count=16, seed=3, split="train")
+@pytest.mark.parametrize(
+    ("generate", "task_set"), [(generate_easy_tasks, easy_task_set), (generate_locate_tasks, locate_task_set)]
+)
+def test_generated_families_are_deterministic_and_splits_are_disjoint(
+    tmp_path: Path, generate: Callable[..., None], task_set: Callable[..., TaskSet]
+) -> None:
+    generate(tmp_path / "a", count=16, seed=3, split="train")
+    generate(tmp_path / "b", count=16, seed=3, split="train")
     assert snapshot(tmp_path / "a") == snapshot(tmp_path / "b")
-    train = {t.instruction + (t.gold_patch or "") for t in locate_task_set(64, 3, "train", str(tmp_path / "c"))}
-    held_out = {t.instruction + (t.gold_patch or "") for t in locate_task_set(64, 3, "eval", str(tmp_path / "c"))}
+    train = {t.instruction + (t.gold_patch or "") for t in task_set(64, 3, "train", str(tmp_path / "c"))}
+    held_out = {t.instruction + (t.gold_patch or "") for t in task_set(64, 3, "eval", str(tmp_path / "c"))}
     assert len(train) == 64 and not train & held_out
 
 

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchgym.plugins.easy import OPERATORS, PARAMS, Function
 from patchgym.plugins.folder import FolderTaskSet
 from patchgym.plugins.generated import SPLIT_SEEDS, generated_task_set
 
@@ -32,26 +33,10 @@ NAMES = (
     "scale", "shift", "bump", "grow", "trim", "span", "gain", "lift", "drop", "pad", "tilt", "nudge",
     "boost", "clamp", "fold", "warp", "skew", "twist", "stretch", "sink", "rise", "push", "pull", "bend",
 )  # fmt: skip
-PARAMS = ("x", "n", "v", "k", "m", "z")
 MODULES = ("calc", "ops", "mathx", "util", "numbers", "tools", "basic", "extra")
-OPERATORS = ("+", "-", "*")
 HEADERS = ("# arithmetic helpers", "# small integer functions", "# tested in tests/")
 MODULES_PER_TASK = 3
 FUNCTIONS_PER_MODULE = (3, 5)
-
-
-@dataclass(frozen=True)
-class Function:
-    name: str
-    param: str
-    op: str
-    constant: int
-
-    def line(self) -> str:
-        return f"def {self.name}({self.param}): return {self.param} {self.op} {self.constant}"
-
-    def value(self, argument: int) -> int:
-        return {"+": argument + self.constant, "-": argument - self.constant, "*": argument * self.constant}[self.op]
 
 
 @dataclass(frozen=True)
@@ -83,7 +68,8 @@ def _render(lines: list[str | Function], swap: tuple[Function, Function] | None 
     out = []
     for item in lines:
         if isinstance(item, Function):
-            out.append((swap[1] if swap and item is swap[0] else item).line())
+            f = swap[1] if swap and item is swap[0] else item
+            out.append(f"def {f.name}({f.param}): return {f.expression}")
         else:
             out.append(item)
     return "\n".join(out) + "\n"
