@@ -19,8 +19,8 @@ from patchgym.core.metrics import read_events
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import oracle_turns, validate_task
 from patchgym.envs.agent import episode_stats, run_agent
-from patchgym.envs.swe import AsyncSWEEnv
-from patchgym.pipeline.run import SUBMIT_MESSAGE, OraclePolicy
+from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
+from patchgym.pipeline.run import SUBMIT_MESSAGE, OraclePolicy, check_oracle_fits
 from patchgym.plugins.easy import easy_task_set, generate_easy_tasks
 from patchgym.plugins.locate import generate_locate_tasks, locate_task_set
 from patchgym.plugins.mix import mixed_task_set
@@ -143,6 +143,14 @@ async def test_oracle_replay_takes_a_turn_per_command(env: AsyncSWEEnv, tiny_mod
     assert [t.kind for t in trajectory.turns] == ["command", "command", "submit"]
     assert trajectory.reward == 1.0 and trajectory.termination == "submitted"
     assert f"{where(task)[1]}:{where(task)[0]}:" in trajectory.turns[0].observation
+
+
+def test_an_oracle_longer_than_the_turn_cap_is_a_config_error(tmp_path: Path) -> None:
+    tasks = list(locate_task_set(2, 0, "train", str(tmp_path)))
+    check_oracle_fits(tasks, EnvConfig(max_turns=2))  # graded at the cap: two commands suffice
+    check_oracle_fits(tasks, EnvConfig(max_turns=3, unsubmitted="zero"))
+    with pytest.raises(ConfigError, match="takes 3 turns .* but env.max_turns is 2: raise env.max_turns"):
+        check_oracle_fits(tasks, EnvConfig(max_turns=2, unsubmitted="zero"))
 
 
 def test_mix_interleaves_families_and_rejects_shared_ids(tmp_path: Path) -> None:

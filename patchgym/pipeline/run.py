@@ -40,7 +40,7 @@ from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
-from patchgym.envs.swe import AsyncSWEEnv
+from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
 from patchgym.pipeline.config import RunConfig, TraceSource
 from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces, trace_files
 
@@ -65,6 +65,18 @@ class OraclePolicy:
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
         text = self._messages.pop(0) if self._messages else SUBMIT_MESSAGE
         return text_generation(self._tokenizer, text, self._end)
+
+
+def check_oracle_fits(tasks: Sequence[Task], env: EnvConfig) -> None:
+    """A clear error when an oracle needs more turns than `env.max_turns` allows (its replays could not solve)."""
+    submit = 1 if env.unsubmitted == "zero" else 0  # a fix left at the cap counts only when graded there
+    for task in tasks:
+        needed = len(oracle_turns(task)) + submit
+        if needed > env.max_turns:
+            raise ConfigError(
+                f"the oracle of task {task.id!r} takes {needed} turns (commands, then a submission when "
+                f"env.unsubmitted is zero) but env.max_turns is {env.max_turns}: raise env.max_turns"
+            )
 
 
 def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
@@ -254,6 +266,7 @@ class Pipeline:
     async def _oracle_samples(self, progress: Progress, tally: TraceTally, cap: int, too_long: TooLong) -> list[Sample]:
         """Replay each train task's solution through the env; solved replays are the traces."""
         tasks = list(self.train_tasks)
+        check_oracle_fits(tasks, self.config.env)
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         bar = progress.add_task("sft traces (oracle)", total=len(tasks))
 
