@@ -132,13 +132,17 @@ async def test_the_oracle_needs_the_observation(env: AsyncSWEEnv) -> None:
 
 
 async def test_oracle_replay_takes_a_turn_per_command(env: AsyncSWEEnv, tiny_model_dir: Path) -> None:
-    """SFT's oracle replay: grep, sed, submit as three assistant turns, solved."""
+    """SFT's oracle replay: grep, sed, submit as three assistant turns, solved; a turn longer than the
+    policy may generate is a config error, not a trace it could never reproduce."""
     from transformers import AutoTokenizer
 
     tokenizer: Any = AutoTokenizer.from_pretrained(tiny_model_dir)
     task = next(iter(env.task_set))
     assert len(oracle_turns(task)) == 2
-    policy = OraclePolicy(tokenizer, task, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(ConfigError, match="is 51 tokens but agent.max_new_tokens_per_turn is 48: raise it"):
+        OraclePolicy(tokenizer, task, turn_end, 48)  # the submission: its sentinel is 50 tokens and the turn's end
+    policy = OraclePolicy(tokenizer, task, turn_end, 64)
     trajectory = await run_agent(env, policy, tokenizer, task)
     assert [t.kind for t in trajectory.turns] == ["command", "command", "submit"]
     assert trajectory.reward == 1.0 and trajectory.termination == "submitted"

@@ -58,9 +58,16 @@ class OraclePolicy:
 
     max_context = 1 << 30
 
-    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
+    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int, max_new_tokens: int) -> None:
         self._messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
         self._tokenizer, self._end = tokenizer, turn_end_id
+        for message in self._messages:  # a trace the policy could never sample teaches it a truncated turn
+            length = len(text_generation(tokenizer, message, turn_end_id).token_ids)
+            if length > max_new_tokens:
+                raise ConfigError(
+                    f"an oracle turn of task {task.id!r} is {length} tokens but agent.max_new_tokens_per_turn is "
+                    f"{max_new_tokens}: raise it ({message!r})"
+                )
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
         text = self._messages.pop(0) if self._messages else SUBMIT_MESSAGE
@@ -271,7 +278,8 @@ class Pipeline:
         bar = progress.add_task("sft traces (oracle)", total=len(tasks))
 
         async def trace(task: Task) -> Trajectory:
-            trajectory = await self._episode(task, OraclePolicy(self.tokenizer, task, turn_end), self.config.agent)
+            policy = OraclePolicy(self.tokenizer, task, turn_end, self.config.agent.max_new_tokens_per_turn)
+            trajectory = await self._episode(task, policy, self.config.agent)
             progress.advance(bar)
             return trajectory
 
