@@ -58,19 +58,16 @@ class OraclePolicy:
 
     max_context = 1 << 30
 
-    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int, max_new_tokens: int) -> None:
-        self._messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
+    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
+        self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
         self._tokenizer, self._end = tokenizer, turn_end_id
-        for message in self._messages:  # a trace the policy could never sample teaches it a truncated turn
-            length = len(text_generation(tokenizer, message, turn_end_id).token_ids)
-            if length > max_new_tokens:
-                raise ConfigError(
-                    f"an oracle turn of task {task.id!r} is {length} tokens but agent.max_new_tokens_per_turn is "
-                    f"{max_new_tokens}: raise it ({message!r})"
-                )
+
+    def longest_turn(self) -> int:
+        """Tokens of the longest turn this policy says, its turn end included."""
+        return max(len(text_generation(self._tokenizer, m, self._end).token_ids) for m in self.messages)
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
-        text = self._messages.pop(0) if self._messages else SUBMIT_MESSAGE
+        text = self.messages.pop(0) if self.messages else SUBMIT_MESSAGE
         return text_generation(self._tokenizer, text, self._end)
 
 
@@ -277,9 +274,11 @@ class Pipeline:
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         bar = progress.add_task("sft traces (oracle)", total=len(tasks))
 
+        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end) for task in tasks}
+        self._warn_unsayable(policies)
+
         async def trace(task: Task) -> Trajectory:
-            policy = OraclePolicy(self.tokenizer, task, turn_end, self.config.agent.max_new_tokens_per_turn)
-            trajectory = await self._episode(task, policy, self.config.agent)
+            trajectory = await self._episode(task, policies[task.id], self.config.agent)
             progress.advance(bar)
             return trajectory
 
@@ -291,6 +290,18 @@ class Pipeline:
             if sample is not None:
                 samples.append(sample)
         return samples
+
+    def _warn_unsayable(self, policies: dict[str, OraclePolicy]) -> None:
+        """Warn when oracle turns are longer than the policy may generate: it could never finish them."""
+        cap = self.config.agent.max_new_tokens_per_turn
+        over = {task_id: n for task_id, p in policies.items() if (n := p.longest_turn()) > cap}
+        if over:
+            message = (
+                f"{len(over)} of {len(policies)} oracle replays have a turn longer than agent.max_new_tokens_per_turn "
+                f"({max(over.values())} > {cap} tokens): the policy can never finish such a turn; raise the cap"
+            )
+            self.console.print(f"[yellow]warning:[/] {message}")
+            self.log.emit("warning", stage="sft", message=message, task_ids=sorted(over)[:10])
 
     async def sft(self) -> None:
         cfg = self.config.sft
