@@ -94,6 +94,19 @@ def _sandbox_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+def _endings_plot(steps: list[dict[str, Any]], out: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = [s["step"] for s in steps]
+    for key, label in (("submit_rate", "submitted"), ("turn_cap_share", "ended at the turn cap")):
+        ax.plot(x, [s.get(key, 0.0) for s in steps], label=label)
+    ax.set(xlabel="step", ylabel="share of the step's episodes", title="How episodes ended", ylim=(-0.05, 1.05))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "endings.png", dpi=110)
+    plt.close(fig)
+
+
 def _summary(steps: list[dict[str, Any]], trajectories: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
     lines = ["# Run summary", "", "| figure | value |", "|---|---|"]
 
@@ -135,5 +148,6 @@ def write_report(run_dir: str | Path) -> Path:
     _step_time_plot(steps, out)
     _lengths_plot(trajectories, out)
     _sandbox_plot(trajectories, out)
+    _endings_plot(steps, out)
     (out / "summary.md").write_text(_summary(steps, trajectories, evals))
     return out

@@ -63,7 +63,8 @@ class Task:
     fault: the task, not the agent, is broken). `gold_patch` is a reference fix used to
     validate the task; `oracle` is a bash script that brings the sandbox to a reference
     solution, for task formats whose solution is a program rather than a diff (validation runs
-    the gold patch, then the oracle).
+    the gold patch, then the oracle). `oracle_turns`, when a solution takes several turns, is
+    that script as an agent's commands, one per turn (oracle replays send them one by one).
     """
 
     id: str
@@ -74,6 +75,7 @@ class Task:
     setup_timeout_s: float = 300.0
     gold_patch: str | None = None
     oracle: str | None = None
+    oracle_turns: tuple[str, ...] = ()
     oracle_timeout_s: float = 600.0
     metadata: Mapping[str, Any] = field(default_factory=dict)
 

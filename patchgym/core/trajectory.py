@@ -49,5 +49,15 @@ class Trajectory:
     def trainable(self) -> bool:
         return self.infra_error is None and self.reward is not None
 
+    @property
+    def resolved(self) -> bool:
+        """The final state was graded and passes: what evaluation counts (the reward may carry turn costs)."""
+        return bool(self.grade and self.grade.get("resolved"))
+
+    @property
+    def commands(self) -> int:
+        """Command turns before the episode ended: neither the submitting turn nor a malformed message counts."""
+        return sum(turn.kind == "command" for turn in self.turns)
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

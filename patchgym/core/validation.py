@@ -39,6 +39,11 @@ def oracle_command(task: Task) -> str:
     raise ValueError(f"task {task.id!r} has neither an oracle nor a gold patch")
 
 
+def oracle_turns(task: Task) -> list[str]:
+    """The oracle agent's commands, one per turn: the task's `oracle_turns`, else its one oracle command."""
+    return list(task.oracle_turns) or [oracle_command(task)]
+
+
 @dataclass
 class TaskValidation:
     """Whether a task behaves: gold patch → reward 1, empty patch → reward 0."""

@@ -11,6 +11,7 @@ turn the LLM latency and command time.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -111,8 +112,22 @@ def describe(trajectory: Trajectory) -> dict[str, Any]:
         "tokens": len(trajectory.token_ids),
         "generated_tokens": sum(trajectory.loss_mask),
         "termination": trajectory.termination,
+        "commands": trajectory.commands,
         "reward": trajectory.reward,
+        "resolved": trajectory.resolved,
         "infra_error": trajectory.infra_error,
         "timings": dict(trajectory.timings),
         "policy_versions": sorted({v for v in trajectory.policy_versions if v >= 0}),
+    }
+
+
+def episode_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """How episodes ended, over those without an infra error: mean commands per episode, the share
+    that submitted and the share the turn cap ended."""
+    valid = [t for t in trajectories if t.infra_error is None]
+    n = len(valid) or 1
+    return {
+        "commands_mean": sum(t.commands for t in valid) / n,
+        "submit_rate": sum(t.termination == "submitted" for t in valid) / n,
+        "turn_cap_share": sum(t.termination == "max_turns" for t in valid) / n,
     }

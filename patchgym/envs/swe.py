@@ -5,8 +5,10 @@ synchronous `gymnasium.Env` facade registered as "patchgym/SWE-v0". Observations
 are the text of chat messages: `reset` returns the task prompt (the system prompt is in
 `info["system_prompt"]`), each `step` takes an assistant message and returns the next user
 message. `terminated` means the agent submitted; `truncated` means a cap was hit or the
-infrastructure failed. The final state is graded either way, except after an infrastructure
-fault, which is reported in `info["infra_error"]` and must never be trained on as reward 0.
+infrastructure failed. The final state is graded either way (`unsubmitted: graded`, the
+default) or only when the agent submitted (`unsubmitted: zero`: a cap earns reward 0 ungraded),
+never after an infrastructure fault, which is reported in `info["infra_error"]` and must never
+be trained on as reward 0. `turn_cost` is subtracted from the reward for each turn taken.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import string
 import threading
 import time
 from collections.abc import Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import gymnasium as gym
 from gymnasium import spaces
@@ -72,6 +74,11 @@ class EnvConfig(BaseModel):
     max_output_bytes: int = Field(1_000_000, gt=0, description="bytes of stdout/stderr captured per command")
     observation_max_chars: int = Field(10_000, gt=0, description="command output shown to the agent (head + tail)")
     action_fence: str = Field("bash", description="language tag of the fenced command block")
+    unsubmitted: Literal["graded", "zero"] = Field(
+        "graded",
+        description="an episode a cap ended before the agent submitted: its final state graded, or reward 0 ungraded",
+    )
+    turn_cost: float = Field(0.0, ge=0, description="subtracted from the episode's reward per turn the agent took")
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
 
@@ -253,23 +260,32 @@ class AsyncSWEEnv:
     async def _finish(
         self, observation: str, action: str, reason: str
     ) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """End the episode with `reason`, grade the final state (unless infra failed), close the sandbox."""
+        """End the episode with `reason`, score it (see `unsubmitted`, `turn_cost`), close the sandbox."""
         assert self.trajectory is not None and self.task is not None
         if not self._done:
             self._end(reason)
         if self.trajectory.infra_error is None and self.sandbox is not None:
-            graded_at = time.perf_counter()
-            try:
-                grade = await self.task.grader.grade(self.sandbox)
-                self.trajectory.grade = grade.as_dict()
-                self.trajectory.reward = grade.reward
-            except InfraError as exc:
-                self._end("infra_error", infra_error=exc)
-            self.trajectory.timings["grade_s"] = time.perf_counter() - graded_at
+            if self.trajectory.termination == "submitted" or self.config.unsubmitted == "graded":
+                await self._grade()
+            else:
+                self.trajectory.reward = 0.0
+        if self.trajectory.reward is not None and self.config.turn_cost:
+            self.trajectory.reward -= self.config.turn_cost * len(self.trajectory.turns)
         await self._close_sandbox()
         self.trajectory.timings["total_s"] = time.perf_counter() - self._started
         terminated = self.trajectory.termination == "submitted"
         return observation, self.trajectory.reward or 0.0, terminated, not terminated, self._info()
+
+    async def _grade(self) -> None:
+        assert self.trajectory is not None and self.task is not None and self.sandbox is not None
+        graded_at = time.perf_counter()
+        try:
+            grade = await self.task.grader.grade(self.sandbox)
+            self.trajectory.grade = grade.as_dict()
+            self.trajectory.reward = grade.reward
+        except InfraError as exc:
+            self._end("infra_error", infra_error=exc)
+        self.trajectory.timings["grade_s"] = time.perf_counter() - graded_at
 
     def _end(self, reason: str, *, infra_error: InfraError | None = None) -> None:
         assert self.trajectory is not None

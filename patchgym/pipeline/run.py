@@ -38,9 +38,9 @@ from patchgym.core.plugins import registry
 from patchgym.core.rollout import Batch, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.trajectory import Trajectory
-from patchgym.core.validation import oracle_command
-from patchgym.envs.agent import AgentConfig, describe, run_agent
-from patchgym.envs.swe import AsyncSWEEnv
+from patchgym.core.validation import oracle_turns
+from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
+from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
 from patchgym.pipeline.config import RunConfig, TraceSource
 from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces, trace_files
 
@@ -54,17 +54,33 @@ def _progress(console: Console) -> Progress:
 
 
 class OraclePolicy:
-    """A scripted policy that runs a task's oracle command, then submits: SFT traces by replay."""
+    """A scripted policy that runs a task's oracle commands, one per turn, then submits: SFT traces by replay."""
 
     max_context = 1 << 30
 
     def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
-        self._messages = [f"```bash\n{oracle_command(task)}\n```", SUBMIT_MESSAGE]
+        self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
         self._tokenizer, self._end = tokenizer, turn_end_id
 
+    def longest_turn(self) -> int:
+        """Tokens of the longest turn this policy says, its turn end included."""
+        return max(len(text_generation(self._tokenizer, m, self._end).token_ids) for m in self.messages)
+
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
-        text = self._messages.pop(0) if self._messages else SUBMIT_MESSAGE
+        text = self.messages.pop(0) if self.messages else SUBMIT_MESSAGE
         return text_generation(self._tokenizer, text, self._end)
+
+
+def check_oracle_fits(tasks: Sequence[Task], env: EnvConfig) -> None:
+    """A clear error when an oracle needs more turns than `env.max_turns` allows (its replays could not solve)."""
+    submit = 1 if env.unsubmitted == "zero" else 0  # a fix left at the cap counts only when graded there
+    for task in tasks:
+        needed = len(oracle_turns(task)) + submit
+        if needed > env.max_turns:
+            raise ConfigError(
+                f"the oracle of task {task.id!r} takes {needed} turns (commands, then a submission when "
+                f"env.unsubmitted is zero) but env.max_turns is {env.max_turns}: raise env.max_turns"
+            )
 
 
 def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
@@ -231,7 +247,7 @@ class Pipeline:
         for trajectory in runs:
             self.log.emit("trajectory", stage=f"eval-{stage}", **describe(trajectory))
             if trajectory.trainable:
-                per_task.setdefault(trajectory.task_id, []).append(trajectory.reward or 0.0)
+                per_task.setdefault(trajectory.task_id, []).append(float(trajectory.resolved))
         scored = [rewards for rewards in per_task.values() if rewards]
         result = {
             "pass_at_1": sum(sum(r) / len(r) for r in scored) / len(scored) if scored else 0.0,
@@ -239,6 +255,7 @@ class Pipeline:
             "k": c.attempts,
             "tasks": len(scored),
             "infra_errors": sum(1 for t in runs if t.infra_error),
+            **episode_stats(runs),
         }
         self.log.emit("eval", stage=stage, step=self.state["grpo_step"], **result)
         self.results[stage] = result
@@ -253,22 +270,38 @@ class Pipeline:
     async def _oracle_samples(self, progress: Progress, tally: TraceTally, cap: int, too_long: TooLong) -> list[Sample]:
         """Replay each train task's solution through the env; solved replays are the traces."""
         tasks = list(self.train_tasks)
+        check_oracle_fits(tasks, self.config.env)
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         bar = progress.add_task("sft traces (oracle)", total=len(tasks))
 
+        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end) for task in tasks}
+        self._warn_unsayable(policies)
+
         async def trace(task: Task) -> Trajectory:
-            trajectory = await self._episode(task, OraclePolicy(self.tokenizer, task, turn_end), self.config.agent)
+            trajectory = await self._episode(task, policies[task.id], self.config.agent)
             progress.advance(bar)
             return trajectory
 
         samples = []
         for trajectory in await asyncio.gather(*(trace(t) for t in tasks)):
-            solved = trajectory.reward == 1.0
+            solved = trajectory.resolved
             skip = "oracle replay infra error" if trajectory.infra_error else "oracle replay not solved"
             sample = tally.admit(trajectory.task_id, to_sample(trajectory) if solved else None, skip, cap, too_long)
             if sample is not None:
                 samples.append(sample)
         return samples
+
+    def _warn_unsayable(self, policies: dict[str, OraclePolicy]) -> None:
+        """Warn when oracle turns are longer than the policy may generate: it could never finish them."""
+        cap = self.config.agent.max_new_tokens_per_turn
+        over = {task_id: n for task_id, p in policies.items() if (n := p.longest_turn()) > cap}
+        if over:
+            message = (
+                f"{len(over)} of {len(policies)} oracle replays have a turn longer than agent.max_new_tokens_per_turn "
+                f"({max(over.values())} > {cap} tokens): the policy can never finish such a turn; raise the cap"
+            )
+            self.console.print(f"[yellow]warning:[/] {message}")
+            self.log.emit("warning", stage="sft", message=message, task_ids=sorted(over)[:10])
 
     async def sft(self) -> None:
         cfg = self.config.sft
@@ -370,7 +403,7 @@ class Pipeline:
                 "weight_sync_s": sync_s,
             },
             response_length_mean=sum(sum(t.loss_mask) for t in trajectories) / len(trajectories),
-            turn_cap_share=sum(t.termination == "max_turns" for t in trajectories) / len(trajectories),
+            **episode_stats(trajectories),
             trainer=metrics,
             **{k: v for k, v in batch.metrics.items() if k != "rollout_wait_s"},
         )
@@ -410,7 +443,10 @@ class Pipeline:
         return self.results
 
     def _print_results(self) -> None:
-        table = Table("stage", "pass@1", "pass@k", "tasks", title=f"held-out evaluation ({self.run_dir})")
-        for stage, result in self.results.items():
-            table.add_row(stage, f"{result['pass_at_1']:.1%}", f"{result['pass_at_k']:.1%}", str(result["tasks"]))
+        columns = ("stage", "pass@1", "pass@k", "tasks", "commands", "submitted", "at turn cap")
+        table = Table(*columns, title=f"held-out evaluation ({self.run_dir})")
+        for stage, r in self.results.items():
+            shape = [f"{r.get('commands_mean', 0.0):.2f}", f"{r.get('submit_rate', 0.0):.1%}"]
+            shape.append(f"{r.get('turn_cap_share', 0.0):.1%}")
+            table.add_row(stage, f"{r['pass_at_1']:.1%}", f"{r['pass_at_k']:.1%}", str(r["tasks"]), *shape)
         self.console.print(table)

@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchgym.core.errors import ConfigError
 from patchgym.plugins.folder import FolderTaskSet
+from patchgym.plugins.generated import SPLIT_SEEDS, generated_task_set, sed_escape
 
 GENERATOR_VERSION = 1
 NAMES = ("scale", "shift", "bump", "grow", "trim", "span", "step", "gain", "lift", "drop", "pad", "tilt")
 PARAMS = ("x", "n", "v", "k", "m", "z")
 MODULES = ("calc", "ops", "mathx", "util", "numbers")
 OPERATORS = ("+", "-", "*")
-SPLIT_SEEDS = {"train": 0, "eval": 1_000_003}
 
 
 @dataclass(frozen=True)
@@ -47,10 +43,6 @@ class Function:
 
     def value(self, argument: int) -> int:
         return {"+": argument + self.constant, "-": argument - self.constant, "*": argument * self.constant}[self.op]
-
-
-def _sed_escape(text: str) -> str:
-    return "".join(f"\\{c}" if c in r"\/.*[]^$&" else c for c in text)
 
 
 def _broken(rng: random.Random, good: Function) -> Function:
@@ -93,7 +85,7 @@ def _write_task(folder: Path, task_id: str, rng: random.Random) -> None:
     )
     (folder / "gold.patch").write_text("".join(diff))
     (folder / "solution.sh").write_text(
-        f"sed -i 's/{_sed_escape(bad.expression)}/{_sed_escape(good.expression)}/' {module}.py\n"
+        f"sed -i 's/{sed_escape(bad.expression)}/{sed_escape(good.expression)}/' {module}.py\n"
     )
     (folder / "issue.md").write_text(
         f"`{good.name}({3})` returns {bad.value(3)} but should return {good.value(3)}.\n"
@@ -118,18 +110,10 @@ def generate_easy_tasks(directory: Path, *, count: int, seed: int, split: str) -
 
 def easy_task_set(count: int = 64, seed: int = 0, split: str = "train", cache_dir: str | None = None) -> FolderTaskSet:
     """The easy family, generated once into a cache folder and loaded from there."""
-    if split not in SPLIT_SEEDS:
-        raise ConfigError(f"easy task set split must be one of {', '.join(SPLIT_SEEDS)}, got {split!r}")
-    if count < 1:
-        raise ConfigError(f"easy task set count must be >= 1, got {count}")
-    root = Path(cache_dir or os.environ.get("PATCHGYM_CACHE", Path(tempfile.gettempdir()) / "patchgym-cache"))
-    target = root / f"easy-v{GENERATOR_VERSION}-{split}-{seed}-{count}"
-    if not target.is_dir():
-        root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".easy-", dir=root))
-        generate_easy_tasks(staging, count=count, seed=seed, split=split)
-        try:
-            staging.rename(target)
-        except OSError:  # another process generated it first
-            shutil.rmtree(staging, ignore_errors=True)
-    return FolderTaskSet(target, name=f"easy-{split}")
+
+    def generate(directory: Path, count: int, seed: int, split: str) -> None:
+        generate_easy_tasks(directory, count=count, seed=seed, split=split)
+
+    return generated_task_set(
+        "easy", GENERATOR_VERSION, generate, count=count, seed=seed, split=split, cache_dir=cache_dir
+    )

@@ -7,7 +7,8 @@ A task set is a directory with one sub-directory per task::
                     "image" or "dockerfile" (relative path) for container backends}
       issue.md     the issue text the agent reads
       gold.patch   the reference fix (unified diff, paths relative to repo/)
-      solution.sh  optional: a short bash command with the same effect (the task's oracle)
+      solution.sh  optional: a short bash command with the same effect (the task's oracle);
+                   task.json's optional "oracle_turns" splits it into one command per turn
       repo/        the project in its buggy state, tests included
 
 Each sandbox starts from a copy of `repo/` made into a git repository, so `git diff` shows the
@@ -49,6 +50,7 @@ class TaskFile(BaseModel):
     report_format: Literal["junit", "pytest", "unittest"] = "junit"
     test_timeout_s: float = 600.0
     setup_commands: list[str] = [GIT_SNAPSHOT]
+    oracle_turns: list[str] = []
     image: str | None = None
     dockerfile: str | None = None
 
@@ -100,6 +102,7 @@ def load_task(folder: Path) -> Task:
         setup_commands=tuple(spec.setup_commands),
         gold_patch=gold.read_text() if gold.exists() else None,
         oracle=solution.read_text() if solution.exists() else None,
+        oracle_turns=tuple(spec.oracle_turns),
         metadata={"source": str(folder)},
     )
 
@@ -133,4 +136,14 @@ def register_task_sets(register: Register) -> None:
         "easy",
         LazyFactory("patchgym.plugins.easy:easy_task_set"),
         "generated one-line bugs spelled out in the issue (options: count, seed, split)",
+    )
+    register(
+        "locate",
+        LazyFactory("patchgym.plugins.locate:locate_task_set"),
+        "generated one-line bugs found by a command's output, fixed in a second (options: count, seed, split)",
+    )
+    register(
+        "mix",
+        LazyFactory("patchgym.plugins.mix:mixed_task_set"),
+        "task sets interleaved, e.g. easy and locate (option: sets, a list of {name, options})",
     )
