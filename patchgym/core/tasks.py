@@ -49,10 +49,21 @@ class Grade:
 
 
 class Grader(abc.ABC):
-    """Grades a sandbox after an episode. Raises `InfraError` only for infrastructure faults."""
+    """Grades a sandbox after an episode. Raises `InfraError` only for infrastructure faults.
+
+    `grades_container_state` is True for graders whose verdict rests on the whole sandbox (a
+    Harbor verifier), not on the repository: they cannot be re-graded from the agent's diff.
+    """
+
+    grades_container_state: bool = False
 
     @abc.abstractmethod
     async def grade(self, sandbox: Sandbox) -> Grade: ...
+
+    def is_test_path(self, path: str) -> bool:
+        """Whether `path` (relative to the workdir) is a test or test-configuration file: the
+        agent's changes to such files are never carried into a fresh grading sandbox."""
+        return False
 
 
 @dataclass(frozen=True)
