@@ -12,6 +12,21 @@ from typing import Any
 from patchgym.core.errors import ConfigError, SandboxStartError
 from patchgym.core.sandbox import Sandbox, SandboxBackend, SandboxSpec
 
+AGENT_USER = "65534:65534"
+"""The unprivileged user (nobody:nogroup) agents of the built-in task sets run as in containers."""
+
+DEFAULT_LIMITS: Mapping[str, float] = {"cpus": 2.0, "memory_mb": 4096, "pids": 1024}
+"""Resource limits of every built-in task set's sandboxes; a task may set its own (higher or lower)."""
+
+
+def sandbox_limits(cpus: float | None = None, memory_mb: int | None = None, pids: int | None = None) -> dict[str, Any]:
+    """`SandboxSpec` limit arguments: the given values, `DEFAULT_LIMITS` for those not given."""
+    return {
+        "cpus": cpus or DEFAULT_LIMITS["cpus"],
+        "memory_mb": int(memory_mb or DEFAULT_LIMITS["memory_mb"]),
+        "pids": int(pids or DEFAULT_LIMITS["pids"]),
+    }
+
 
 class TestStatus(enum.StrEnum):
     """The outcome of one test, in SWE-bench's vocabulary."""

@@ -38,7 +38,7 @@ from patchgym.core.grading import GradeFailure, ShellGrader
 from patchgym.core.grading_shell import GradingRoom, GradingSetupError
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import Sandbox, SandboxSpec
-from patchgym.core.tasks import LoadedTaskSet, Task, TestStatus
+from patchgym.core.tasks import LoadedTaskSet, Task, TestStatus, sandbox_limits
 from patchgym.core.test_reports import ReportError
 
 VERIFIER_DIR = "/logs/verifier"
@@ -183,8 +183,7 @@ def load_harbor_task(folder: Path) -> Task:
         image=image,
         dockerfile=dockerfile if dockerfile.is_file() else None,
         workdir=workdir,
-        cpus=_number(environment, "cpus", where),
-        memory_mb=int(memory) if memory else None,
+        **sandbox_limits(_number(environment, "cpus", where), int(memory) if memory else None),
         network=bool(environment.get("allow_internet", False)),
         env={str(k): str(v) for k, v in environment.get("env", {}).items()},
         labels={"task_id": folder.name},

@@ -18,7 +18,7 @@ from typing import Any
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import LoadedTaskSet, Task
+from patchgym.core.tasks import LoadedTaskSet, Task, sandbox_limits
 from patchgym.plugins.swe_data import (
     LIST_FIELDS,
     listed_tests,
@@ -148,7 +148,9 @@ class SWEBenchTaskSet(LoadedTaskSet):
         image = row.get("image_name") or swebench_image(
             instance_id, namespace=self.options["namespace"], arch=self.options["arch"], tag=self.options["tag"]
         )
-        return SandboxSpec(workspace=workspace, image=image, workdir="/testbed", labels={"task_id": instance_id})
+        return SandboxSpec(
+            workspace=workspace, image=image, workdir="/testbed", **sandbox_limits(), labels={"task_id": instance_id}
+        )
 
     def task(self, row: Mapping[str, Any]) -> Task:
         """The task for one instance row."""
