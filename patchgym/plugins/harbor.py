@@ -16,11 +16,16 @@ A Harbor verifier grades the container's state, so it runs in the agent's sandbo
 first every process the agent left is stopped (`STOP_OTHERS`), then `test.sh` runs in the clean
 grading shell (no profile or rc file, an explicit environment), the processes it starts are
 killed when it ends, and the reward file must be a regular file of at most `MAX_REWARD_BYTES`.
+On Docker, the container's changes (`docker diff`, read from the engine, not from inside) must
+leave the shell start-up files and the interpreter alone (`PROTECTED_PATHS`, less the task's
+`[verifier].allowed_changes`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import fnmatch
 import io
 import json
 import math
@@ -54,6 +59,33 @@ STOP_OTHERS = (
 """Bash that stops, then kills, every process but PID 1, the container's main process and its own
 ancestors, in a container whose PID 1 is an init (elsewhere it kills nothing): what the agent
 left running cannot touch the verifier's files while it runs."""
+PROTECTED_PATHS = (
+    "/etc/profile",
+    "/etc/profile.d/*",
+    "/etc/bash.bashrc",
+    "/etc/environment",
+    "/etc/ld.so.preload",
+    "/root/.bashrc",
+    "/root/.profile",
+    "/root/.bash_profile",
+    "/root/.bash_login",
+    "/home/*/.bashrc",
+    "/home/*/.profile",
+    "/home/*/.bash_profile",
+    "/usr/local/bin/*",
+    "/usr/local/sbin/*",
+    "/usr/bin/python*",
+    "/usr/bin/bash",
+    "/usr/bin/env",
+    "/bin/*",
+    "*/sitecustomize.py",
+    "*/usercustomize.py",
+    "*.pth",
+)
+"""Container paths (fnmatch patterns) a Harbor agent may not change: shell start-up files, the
+interpreter and shell entry points, and Python start-up hooks. A change is reward 0
+(`verifier_environment_changed`); a task allows what it must change with
+`[verifier].allowed_changes` in task.toml."""
 MAX_ORACLE_BYTES = 96_000
 """The oracle travels inside one command line (a kernel limit of 128 KiB per argument)."""
 _WORKDIR = re.compile(r"^\s*WORKDIR\s+(\S+)\s*$", re.I | re.M)
@@ -95,12 +127,20 @@ class HarborGrader(ShellGrader):
     env: Mapping[str, str] = field(default_factory=dict)
     max_log_bytes: int = 1_000_000
     stop_agent_processes: bool = True
+    protected_paths: tuple[str, ...] = PROTECTED_PATHS
+    allowed_changes: tuple[str, ...] = ()
     grades_container_state = True  # type: ignore[misc]
 
     async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
         if self.stop_agent_processes:
             stopped = await sandbox.exec(STOP_OTHERS, timeout_s=60)
             details["agent_processes_stopped"] = stopped.stdout.strip()
+        changed = await container_changes(sandbox)
+        if changed is not None:
+            touched = [path for path in changed if self._protected(path)]
+            details["protected_changes"] = touched[:20]
+            if touched:
+                raise GradeFailure("verifier_environment_changed", f"the agent changed {', '.join(touched[:5])}")
         room = await GradingRoom.open(sandbox)
         archive = await room.write("tests.tar", self.tests_tar)
         staged = await room.run(
@@ -133,6 +173,22 @@ class HarborGrader(ShellGrader):
             details.update(reason="rewarded", reward_file=name)
             return reward, {}
         raise GradeFailure("no_reward_file", f"tests/test.sh wrote neither {VERIFIER_DIR}/reward.json nor reward.txt")
+
+    def _protected(self, path: str) -> bool:
+        if any(fnmatch.fnmatch(path, pattern) for pattern in self.allowed_changes):
+            return False
+        return any(fnmatch.fnmatch(path, pattern) for pattern in self.protected_paths)
+
+
+async def container_changes(sandbox: Sandbox) -> list[str] | None:
+    """Paths the container's filesystem changed since its image (`docker diff`), as the Docker
+    engine sees them; None for sandboxes that are not Docker containers."""
+    container = getattr(sandbox, "container", None)
+    if not callable(getattr(container, "diff", None)):
+        return None
+    assert container is not None
+    changes = await asyncio.to_thread(container.diff)
+    return sorted(str(change["Path"]) for change in changes or [])
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -192,6 +248,7 @@ def load_harbor_task(folder: Path) -> Task:
         tests_tar=_tar(folder / "tests"),
         timeout_s=_number(verifier, "timeout_sec", where) or 600.0,
         env={str(k): str(v) for k, v in verifier.get("env", {}).items()},
+        allowed_changes=tuple(str(p) for p in verifier.get("allowed_changes", [])),
     )
     return Task(
         id=folder.name,
