@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from patchgym.core.sandbox import SandboxBackend
-from patchgym.core.tasks import Task
+from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import apply_patch_command
 from patchgym.envs.swe import AsyncSWEEnv
 from patchgym.plugins.folder import TINY_TASKS, tiny_task_set
@@ -82,19 +82,34 @@ def task() -> Task:
     return tiny_task_set().get(TASK)
 
 
-async def play(backend: SandboxBackend, commands: list[str], **settings: Any) -> tuple[float, dict[str, Any]]:
-    """Play one episode: run `commands`, then submit; returns (reward, final info)."""
-    env = AsyncSWEEnv(tiny_task_set(), backend, **settings)
+async def play_episode(
+    backend: SandboxBackend,
+    task_set: TaskSet,
+    commands: list[str],
+    *,
+    task_id: str | None = None,
+    check: bool = False,
+    **settings: Any,
+) -> tuple[float, dict[str, Any]]:
+    """Play one episode (on the set's first task by default): run `commands` (with `check`, each
+    must succeed), then submit; returns (reward, final info), which must carry no infra error."""
+    env = AsyncSWEEnv(task_set, backend, **settings)
     try:
-        await env.reset(options={"task": TASK})
+        await env.reset(options={"task": task_id or task_set.ids()[0]})
         for command in [*commands, SUBMIT]:
-            _, reward, terminated, truncated, info = await env.step(f"```bash\n{command}\n```")
+            observation, reward, terminated, truncated, info = await env.step(f"```bash\n{command}\n```")
             if terminated or truncated:
                 break
-        assert info["infra_error"] is None, info["infra_error"]
-        return reward, info
+            assert not check or "<returncode>0</returncode>" in observation, observation
     finally:
         await env.close()
+    assert info["infra_error"] is None, info["infra_error"]
+    return reward, info
+
+
+async def play(backend: SandboxBackend, commands: list[str], **settings: Any) -> tuple[float, dict[str, Any]]:
+    """An episode on the tiny `TASK`."""
+    return await play_episode(backend, tiny_task_set(), commands, task_id=TASK, **settings)
 
 
 def reason(info: dict[str, Any]) -> str:

@@ -15,11 +15,10 @@ import pytest
 import pytest_asyncio
 
 from patchgym.core.sandbox import SandboxBackend
-from patchgym.envs.swe import AsyncSWEEnv
 from patchgym.plugins.harbor import HarborTaskSet
 from tests.conftest import make_backend
 from tests.swe_fixtures import harbor_fixture
-from tests.test_reward_hacking import SUBMIT, heredoc
+from tests.test_reward_hacking import heredoc, play_episode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -39,16 +38,7 @@ def task_set(tmp_path_factory: pytest.TempPathFactory) -> HarborTaskSet:
 
 
 async def play(backend: SandboxBackend, task_set: HarborTaskSet, commands: list[str]) -> dict[str, Any]:
-    env = AsyncSWEEnv(task_set, backend)
-    try:
-        await env.reset(options={"task": task_set.ids()[0]})
-        for command in [*commands, SUBMIT]:
-            _, _, terminated, truncated, info = await env.step(f"```bash\n{command}\n```")
-            if terminated or truncated:
-                break
-    finally:
-        await env.close()
-    assert info["infra_error"] is None, info["infra_error"]
+    _, info = await play_episode(backend, task_set, commands)
     assert info["grade"]["details"]["grading"]["mode"] == "in_place"
     return info["grade"]
 

@@ -18,10 +18,9 @@ import pytest_asyncio
 
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import TaskSet
-from patchgym.envs.swe import AsyncSWEEnv
 from tests.conftest import make_backend
 from tests.swe_fixtures import F2P
-from tests.test_reward_hacking import SUBMIT, heredoc
+from tests.test_reward_hacking import heredoc, play_episode
 from tests.test_swe_task_sets import swesmith_set
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -42,18 +41,7 @@ async def setting(
 
 
 async def play(setting: tuple[SandboxBackend, TaskSet], commands: list[str], **settings: Any) -> dict[str, Any]:
-    backend, task_set = setting
-    env = AsyncSWEEnv(task_set, backend, **settings)
-    try:
-        await env.reset(options={"task": task_set.ids()[0]})
-        for command in [*commands, SUBMIT]:
-            observation, _, terminated, truncated, info = await env.step(f"```bash\n{command}\n```")
-            if terminated or truncated:
-                break
-            assert "<returncode>0</returncode>" in observation, observation
-    finally:
-        await env.close()
-    assert info["infra_error"] is None, info["infra_error"]
+    _, info = await play_episode(*setting, commands, check=True, **settings)
     return info["grade"]
 
 
