@@ -16,13 +16,14 @@ whole sandbox (`grades_container_state`, e.g. Harbor's) are always graded in pla
 No grading error stops a run: any exception other than an `InfraError` is reward 0 with the
 reason `grading_error`. A sandbox lost during grading is graded again in another fresh sandbox
 (up to `regrade_attempts` times), then reward 0: the code under test killing its own container
-never escapes a zero. The agent's sandbox gone at grading time, while a fresh one starts, is the
-agent's doing too (reward 0, `agent_sandbox_lost`).
+never escapes a zero. The agent's own sandbox gone before its tree is read stays an
+infrastructure fault (`SandboxLostError`): nothing tells it apart from a real loss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shlex
 import tempfile
 import time
@@ -36,6 +37,9 @@ from patchgym.core.sandbox import Sandbox, SandboxBackend
 from patchgym.core.tamper import tamper_findings
 from patchgym.core.tasks import Grade, Grader, Task, start_task_sandbox
 from patchgym.core.tree_diff import FileChange, remove_tree, stage, tree_changes
+
+GRADING_LABEL = {"role": "grading"}
+"""Label of the fresh sandboxes graders start (beside the task's own labels)."""
 
 GradingMode = Literal["fresh", "in_place"]
 TamperPolicy = Literal["zero", "flag", "off"]
@@ -91,7 +95,7 @@ class FreshSandboxGrader(Grader):
         for attempt in range(self.regrade_attempts + 1):
             details["attempts"] = attempt + 1
             started = time.perf_counter()
-            fresh = await start_task_sandbox(self.backend, self.task)
+            fresh = await start_task_sandbox(self.backend, self._grading_task())
             details.setdefault("fresh_start_s", round(time.perf_counter() - started, 3))
             async with fresh:
                 if changes is None:
@@ -107,6 +111,10 @@ class FreshSandboxGrader(Grader):
             "sandbox_lost_during_grading",
             message=f"the grading sandbox was lost {self.regrade_attempts + 1} times: the code under test stops it",
         )
+
+    def _grading_task(self) -> Task:
+        labels = {**self.task.sandbox.labels, **GRADING_LABEL}
+        return dataclasses.replace(self.task, sandbox=dataclasses.replace(self.task.sandbox, labels=labels))
 
     async def _changes(self, agent_sandbox: Sandbox, fresh: Sandbox, details: dict[str, Any]) -> list[FileChange]:
         """The agent's non-test changes, after the tamper check and the size limit."""
@@ -135,8 +143,6 @@ class FreshSandboxGrader(Grader):
     async def _download_agent(self, agent_sandbox: Sandbox, folder: Path) -> None:
         try:
             await agent_sandbox.download_dir(agent_sandbox.workdir, folder)
-        except SandboxLostError as exc:  # a fresh sandbox just started: the infrastructure is fine
-            raise _Verdict(zero_grade("agent_sandbox_lost", message=str(exc)[:500])) from None
         except InfraError:
             raise
         except Exception as exc:
