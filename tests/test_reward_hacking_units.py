@@ -191,3 +191,23 @@ def test_fresh_grader_delegates_what_it_wraps() -> None:
     wrapper = FreshSandboxGrader(inner, backend=None, task=None)  # type: ignore[arg-type]
     assert wrapper.is_test_path("tests/test_x.py") and not wrapper.is_test_path("pkg/x.py")
     assert wrapper.is_test_path("pkg/conftest.py") and not wrapper.grades_container_state
+
+
+async def test_changes_are_applied_to_a_fresh_sandbox(bwrap: SandboxBackend, tmp_path: Path) -> None:
+    """Deletions, kind changes, links and executable bits carry over; the workdir keeps its mode."""
+    pristine = write(tmp_path / "pristine", {"a.py": "a\n", "gone.py": "g\n", "x": "file\n", "keep/k.py": "k\n"})
+    changed = write(
+        tmp_path / "changed", {"a.py": "b\n", "x/inner.py": "i\n", "keep/k.py": "k\n", "run.sh": "#!/bin/sh\n"}
+    )
+    (changed / "run.sh").chmod(0o755)
+    os.symlink("a.py", changed / "link.py")
+    changes = tree_changes(pristine, changed, lambda _: False)
+    async with await bwrap.create(SandboxSpec(workspace=pristine)) as sandbox:
+        before = await sandbox.exec("stat -c %a .", timeout_s=60)
+        await FreshSandboxGrader._apply(sandbox, changes)
+        listing = await sandbox.exec(
+            "stat -c %a .; cat a.py x/inner.py; test -e gone.py || echo gone; "
+            "readlink link.py; test -x run.sh && echo x",
+            timeout_s=60,
+        )
+    assert listing.stdout.split() == [before.stdout.strip(), "b", "i", "gone", "a.py", "x"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import posixpath
 import shlex
 import tempfile
 import time
@@ -36,7 +37,7 @@ from patchgym.core.grading import zero_grade
 from patchgym.core.sandbox import Sandbox, SandboxBackend
 from patchgym.core.tamper import tamper_findings
 from patchgym.core.tasks import Grade, Grader, Task, start_task_sandbox
-from patchgym.core.tree_diff import FileChange, remove_tree, stage, tree_changes
+from patchgym.core.tree_diff import FileChange, remove_tree, tree_changes
 
 GRADING_LABEL = {"role": "grading"}
 """Label of the fresh sandboxes graders start (beside the task's own labels)."""
@@ -151,14 +152,32 @@ class FreshSandboxGrader(Grader):
 
     @staticmethod
     async def _apply(fresh: Sandbox, changes: list[FileChange]) -> None:
-        """Delete what the agent deleted (and paths that changed kind), then upload the rest."""
+        """Delete what the agent deleted (and paths that changed kind), then write files one by one
+        (an archive of the whole tree would also reset the workdir's owner and mode), then make
+        links and set executable bits."""
         doomed = [change.path for change in changes if change.deleted or change.old is None or change.new_link]
         if doomed:
-            removed = await fresh.exec(f"rm -rf -- {' '.join(shlex.quote(path) for path in doomed)}", timeout_s=120)
-            if not removed.ok:
-                raise RuntimeError(f"cannot apply the agent's deletions: {removed.output[-500:]}")
-        if not any(not change.deleted for change in changes):
-            return
-        with tempfile.TemporaryDirectory(prefix="patchgym-stage-") as folder:
-            await asyncio.to_thread(stage, changes, Path(folder))
-            await fresh.upload_dir(Path(folder), fresh.workdir)
+            await _run(fresh, f"rm -rf -- {_quoted(doomed)}")
+        for change in changes:
+            if change.new is not None:
+                await fresh.write_file(change.path, change.new)
+        script = [
+            f"mkdir -p -- {shlex.quote(posixpath.dirname(c.path) or '.')} "
+            f"&& ln -s -- {shlex.quote(c.new_link)} {shlex.quote(c.path)}"
+            for c in changes
+            if c.new_link is not None
+        ]
+        executables = [change.path for change in changes if change.new is not None and change.executable]
+        script += [f"chmod +x -- {_quoted(executables)}"] if executables else []
+        if script:
+            await _run(fresh, " && ".join(script))
+
+
+async def _run(sandbox: Sandbox, command: str) -> None:
+    done = await sandbox.exec(command, timeout_s=120)
+    if not done.ok:
+        raise RuntimeError(f"cannot apply the agent's changes: {done.output[-500:]}")
+
+
+def _quoted(paths: list[str]) -> str:
+    return " ".join(shlex.quote(path) for path in paths)

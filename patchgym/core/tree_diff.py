@@ -87,20 +87,6 @@ def tree_changes(pristine: Path, changed: Path, skip: Callable[[str], bool]) -> 
     return changes
 
 
-def stage(changes: list[FileChange], folder: Path) -> None:
-    """Write the new side of `changes` (files and links, not deletions) under `folder`."""
-    for change in changes:
-        if change.deleted:
-            continue
-        target = folder / change.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if change.new_link is not None:
-            os.symlink(change.new_link, target)
-        else:
-            target.write_bytes(change.new or b"")
-            target.chmod(0o755 if change.executable else 0o644)
-
-
 def remove_tree(folder: Path) -> None:
     """Delete a downloaded tree, even parts of it made read-only."""
 
