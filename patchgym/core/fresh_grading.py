@@ -122,9 +122,14 @@ class FreshSandboxGrader(Grader):
         with tempfile.TemporaryDirectory(prefix="patchgym-diff-") as scratch:
             pristine, agent = Path(scratch) / "pristine", Path(scratch) / "agent"
             try:
-                await asyncio.gather(
-                    fresh.download_dir(fresh.workdir, pristine), self._download_agent(agent_sandbox, agent)
+                downloads = await asyncio.gather(
+                    fresh.download_dir(fresh.workdir, pristine),
+                    self._download_agent(agent_sandbox, agent),
+                    return_exceptions=True,  # both finish before the folder goes
                 )
+                for outcome in downloads:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
                 changes = await asyncio.to_thread(tree_changes, pristine, agent, self.inner.is_test_path)
             finally:
                 await asyncio.to_thread(remove_tree, Path(scratch))
