@@ -176,6 +176,7 @@ class TestCommandGrader(ShellGrader):
         if result.timed_out:
             raise GradeFailure("tests_timed_out")
         if result.exit_code not in self.allowed_exit_codes:
+            await room.run("true", timeout_s=60)  # a sandbox the tests stopped raises SandboxLostError here
             raise GradeFailure("bad_exit_code")
         tests = await self._read_results(room, result, report, details)
         any_failure = any(status in (TestStatus.FAILED, TestStatus.ERROR) for status in tests.values())
