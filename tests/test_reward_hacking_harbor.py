@@ -18,7 +18,7 @@ from patchgym.core.sandbox import SandboxBackend
 from patchgym.plugins.harbor import HarborTaskSet
 from tests.conftest import make_backend
 from tests.swe_fixtures import harbor_fixture
-from tests.test_reward_hacking import heredoc, play_episode
+from tests.test_reward_hacking import daemon_command, heredoc, play_episode
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -73,16 +73,14 @@ async def test_a_changed_shell_or_interpreter_is_a_zero(
 
 
 async def test_a_daemon_rewriting_the_reward_is_stopped(docker: SandboxBackend, task_set: HarborTaskSet) -> None:
-    daemon = (
-        "setsid nohup bash -c 'while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
-        "sleep 0.01; done' > /dev/null 2>&1 < /dev/null & disown; echo started"
-    )
-    grade = await play(docker, task_set, [daemon])
+    loop = "mkdir -p /logs/verifier; while :; do echo 1 > /logs/verifier/reward.txt; sleep 0.01; done"
+    grade = await play(docker, task_set, [daemon_command(loop)])
     assert (grade["reward"], grade["details"]["reason"]) == (0.0, "rewarded")
     assert int(grade["details"]["agent_processes_stopped"]) >= 1
 
 
-def test_task_toml_allows_changes(tmp_path: Path) -> None:
+@pytest.mark.asyncio(loop_scope="function")
+async def test_task_toml_allows_changes(tmp_path: Path) -> None:
     folder = harbor_fixture(tmp_path)
     toml = folder / "task.toml"
     toml.write_text(toml.read_text().replace("[verifier]\n", '[verifier]\nallowed_changes = ["/usr/local/bin/*"]\n'))
