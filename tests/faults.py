@@ -54,7 +54,7 @@ class SandboxFaults:
         return True
 
     def next_index(self, spec: SandboxSpec) -> int | None:
-        if "-train-" not in spec.labels.get("task_id", ""):
+        if "-train-" not in spec.labels.get("task_id", "") or spec.labels.get("role") == "grading":
             return None
         self.requested += 1
         return self.requested - 1
@@ -95,6 +95,8 @@ class FaultySandbox(Sandbox):
         await self.inner.upload_dir(local_dir, path)
 
     async def download_dir(self, path: str, local_dir: Path) -> None:
+        if self.faults.loses(self.index, self.execs + 1):  # gone before a fresh-sandbox grader reads it
+            await self.inner.close()
         await self.inner.download_dir(path, local_dir)
 
     async def close(self) -> None:

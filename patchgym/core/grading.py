@@ -1,27 +1,36 @@
 """Grading by running a task's tests inside the sandbox, hardened against reward hacking.
 
-Before the tests run, the grader restores the task's test files (an edited or deleted test
-file comes back, an added one goes away) and removes every `conftest.py` and `pytest.ini`
-the task did not ship.
-The test command writes a JUnit XML report into a fresh directory made at grading time, so
-lines printed by the code under test cannot forge a result, and the report must agree with the
-command's exit code. Resolved = every FAIL_TO_PASS test passes and every PASS_TO_PASS test
-still passes (SWE-bench's rule); reward 1.0 if resolved else 0.0.
+`ShellGrader` is the base of graders that run commands in the sandbox: its public `grade`
+times the work, turns a `GradeFailure` (or a sandbox too broken to grade) into reward 0 with
+the reason, and builds the `Grade`; subclasses implement `_grade`. Commands run in the clean
+shell of `patchgym.core.grading_shell` (no profile, rc file or inherited variable; the
+interpreter by absolute path).
 
-What this does not defend against: an agent that replaces the interpreter or the test
-runner itself inside the sandbox. Grading in a fresh sandbox with only the agent's diff
-applied closes that gap.
+`TestCommandGrader` first restores the task's test files from bytes it holds (an edited or
+deleted test file comes back, an added one goes away) and removes every `conftest.py` and
+`pytest.ini` the task did not ship. The test command writes a JUnit XML report into the
+grader's own directory, so lines printed by the code under test cannot forge a result; the
+report must be a regular file of bounded size and must agree with the command's exit code.
+An expected failure counts only when the runner's own result type says so. Resolved = every
+FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes (SWE-bench's rule).
+
+What this does not defend against on its own: an agent that changed the interpreter, the test
+runner or left processes behind in the sandbox it used. `FreshSandboxGrader`
+(patchgym.core.fresh_grading) grades only the agent's diff in a fresh sandbox, and its tamper
+check flags code under test that patches the runner in-process.
 """
 
 from __future__ import annotations
 
+import abc
 import shlex
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
+from patchgym.core.grading_shell import GradingRoom, GradingSetupError
 from patchgym.core.sandbox import ExecResult, Sandbox
 from patchgym.core.tasks import Grade, Grader, TestStatus
 from patchgym.core.test_reports import LOG_PARSERS, ReportError, parse_junit_xml
@@ -29,8 +38,9 @@ from patchgym.core.test_reports import LOG_PARSERS, ReportError, parse_junit_xml
 UNITTEST_RUNNER = Path(__file__).with_name("unittest_junit.py")
 """Standalone script that runs a unittest suite and writes JUnit XML (see its docstring)."""
 
-UNITTEST_COMMAND = "python3 -s -E {runner} --report {report} --start tests --top ."
-"""Test command for plain-unittest projects whose tests live in `tests/`."""
+UNITTEST_COMMAND = "{python} -s -E {runner} --report {report} --start tests --top ."
+"""Test command for plain-unittest projects whose tests live in `tests/` (`{python}`: the
+sandbox's python3 by absolute path)."""
 
 PROTECTED_FILE_NAMES = ("conftest.py", "pytest.ini")
 """Files that change how tests run: any the task did not ship are deleted before grading."""
@@ -59,15 +69,72 @@ def resolve(
     return resolved, summary
 
 
+def zero_grade(
+    reason: str,
+    details: Mapping[str, Any] | None = None,
+    *,
+    message: str = "",
+    tests: Mapping[str, TestStatus] | None = None,
+) -> Grade:
+    """Reward 0 with `reason` (and `message`, when it says more) in the details."""
+    merged = {**(details or {}), "reason": reason}
+    if message:
+        merged["message"] = message
+    return Grade(reward=0.0, resolved=False, tests=dict(tests or {}), details=merged)
+
+
+class GradeFailure(Exception):
+    """Raised inside `ShellGrader._grade`: the verdict is reward 0 for `reason`."""
+
+    def __init__(self, reason: str, message: str = "", tests: Mapping[str, TestStatus] | None = None) -> None:
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
+        self.message = message
+        self.tests = dict(tests or {})
+
+
+class ShellGrader(Grader):
+    """Base of graders that run commands in the sandbox; subclasses implement `_grade`.
+
+    `grade` times the work and builds the `Grade` (with `grade_duration_s`); a `GradeFailure`,
+    or a sandbox where no grading directory can be made, is reward 0 with its reason. Faults
+    of the infrastructure still raise `InfraError` from the sandbox.
+    """
+
+    async def grade(self, sandbox: Sandbox) -> Grade:
+        started = time.perf_counter()
+        details: dict[str, Any] = {}
+        try:
+            reward, tests = await self._grade(sandbox, details)
+        except GradingSetupError as exc:
+            grade = zero_grade("grading_setup_failed", {**details, "log_tail": exc.output[-2000:]}, message=str(exc))
+        except GradeFailure as failure:
+            grade = zero_grade(failure.reason, details, message=failure.message, tests=failure.tests)
+        else:
+            details.setdefault("reason", "resolved" if reward >= 1.0 else "tests_failed")
+            grade = Grade(reward=reward, resolved=reward >= 1.0, tests=dict(tests), details=details)
+        return Grade(
+            grade.reward,
+            grade.resolved,
+            grade.tests,
+            {**grade.details, "grade_duration_s": round(time.perf_counter() - started, 3)},
+        )
+
+    @abc.abstractmethod
+    async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
+        """(reward, test statuses); record what the verdict rests on in `details`."""
+
+
 @dataclass(frozen=True)
-class TestCommandGrader(Grader):
+class TestCommandGrader(ShellGrader):
     """Runs `test_command` in the sandbox and applies `resolve` to its results.
 
-    `test_command` may use `{report}` (where the JUnit XML must be written) and `{runner}`
-    (the bundled unittest runner). `test_paths` are reset to `original_files`, which must
-    also hold every file named in `PROTECTED_FILE_NAMES` that the task ships. With
-    `report_format` "pytest" or "unittest" the command's log is parsed instead (weaker:
-    printed lines can forge it).
+    `test_command` may use `{report}` (where the JUnit XML must be written), `{runner}` (the
+    bundled unittest runner) and `{python}` (the interpreter, by absolute path). `test_paths`
+    are reset to `original_files`, which must also hold every file named in
+    `PROTECTED_FILE_NAMES` that the task ships. With `report_format` "pytest" or "unittest" the
+    command's log is parsed instead (weaker: printed lines can forge it). `max_report_bytes`
+    bounds the JUnit report.
     """
 
     __test__ = False  # not a pytest test class
@@ -80,73 +147,65 @@ class TestCommandGrader(Grader):
     report_format: Literal["junit", "pytest", "unittest"] = "junit"
     timeout_s: float = 600.0
     max_log_bytes: int = 2_000_000
+    max_report_bytes: int = 20_000_000
     allowed_exit_codes: tuple[int, ...] = (0, 1)
 
-    async def grade(self, sandbox: Sandbox) -> Grade:
-        started = time.perf_counter()
-        prepared = await self._prepare(sandbox)
-        if isinstance(prepared, Grade):
-            return prepared
-        grade_dir = prepared
-        runner = f"{grade_dir}/{UNITTEST_RUNNER.name}"
-        report = f"{grade_dir}/report.xml"
-        if "{runner}" in self.test_command:
-            await sandbox.write_file(runner, UNITTEST_RUNNER.read_bytes())
-        command = self.test_command.format(report=shlex.quote(report), runner=shlex.quote(runner))
-        result = await sandbox.exec(command, timeout_s=self.timeout_s, max_output_bytes=self.max_log_bytes)
-        details: dict[str, Any] = {
-            "exit_code": result.exit_code,
-            "test_duration_s": round(result.duration_s, 3),
-            "log_tail": result.output[-2000:],
-        }
-        grade = await self._judge(sandbox, result, report, details)
-        details["grade_duration_s"] = round(time.perf_counter() - started, 3)
-        return grade
+    def is_test_path(self, path: str) -> bool:
+        parts = PurePosixPath(path).parts
+        under = any(parts[: len(PurePosixPath(p).parts)] == PurePosixPath(p).parts for p in self.test_paths)
+        return under or (bool(parts) and parts[-1] in PROTECTED_FILE_NAMES)
 
-    async def _judge(self, sandbox: Sandbox, result: ExecResult, report: str, details: dict[str, Any]) -> Grade:
+    async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
+        room = await GradingRoom.open(sandbox)
+        await self._restore(room)
+        runner = (
+            await room.write(UNITTEST_RUNNER.name, UNITTEST_RUNNER.read_bytes())
+            if "{runner}" in self.test_command
+            else ""
+        )
+        if "{python}" in self.test_command and not room.python:
+            raise GradeFailure("no_interpreter", f"python3 is not on the sandbox's PATH ({room.path})")
+        report = f"{room.root}/report.xml"
+        command = self.test_command.format(
+            report=shlex.quote(report), runner=shlex.quote(runner), python=shlex.quote(room.python)
+        )
+        result = await room.run(command, timeout_s=self.timeout_s, max_output_bytes=self.max_log_bytes, sweep=True)
+        details.update(
+            exit_code=result.exit_code, test_duration_s=round(result.duration_s, 3), log_tail=result.output[-2000:]
+        )
         if result.timed_out:
-            return _failed("tests_timed_out", details)
+            raise GradeFailure("tests_timed_out")
         if result.exit_code not in self.allowed_exit_codes:
-            return _failed("bad_exit_code", details)
-        try:
-            tests = await self._read_results(sandbox, result, report)
-        except FileNotFoundError:
-            return _failed("no_report", details)
-        except ReportError as exc:
-            details["report_error"] = str(exc)
-            return _failed("report_unreadable", details)
+            await room.run("true", timeout_s=60)  # a sandbox the tests stopped raises SandboxLostError here
+            raise GradeFailure("bad_exit_code")
+        tests = await self._read_results(room, result, report, details)
         any_failure = any(status in (TestStatus.FAILED, TestStatus.ERROR) for status in tests.values())
         if self.report_format == "junit" and any_failure != (result.exit_code != 0):
-            return _failed("exit_code_mismatch", details, tests)
+            raise GradeFailure("exit_code_mismatch", tests=tests)
         resolved, summary = resolve(tests, self.fail_to_pass, self.pass_to_pass)
-        details.update(summary, reason="resolved" if resolved else "tests_failed")
-        return Grade(reward=1.0 if resolved else 0.0, resolved=resolved, tests=tests, details=details)
+        details.update(summary)
+        return (1.0 if resolved else 0.0), tests
 
-    async def _read_results(self, sandbox: Sandbox, result: ExecResult, report: str) -> dict[str, TestStatus]:
-        if self.report_format == "junit":
-            return parse_junit_xml(await sandbox.read_file(report))
-        return LOG_PARSERS[self.report_format](result.output)
+    async def _read_results(
+        self, room: GradingRoom, result: ExecResult, report: str, details: dict[str, Any]
+    ) -> dict[str, TestStatus]:
+        if self.report_format != "junit":
+            return LOG_PARSERS[self.report_format](result.output)
+        try:
+            return parse_junit_xml(await room.read_report(report, max_bytes=self.max_report_bytes))
+        except FileNotFoundError:
+            raise GradeFailure("no_report") from None
+        except ReportError as exc:
+            details["report_error"] = str(exc)
+            raise GradeFailure("report_unreadable", str(exc)) from None
 
-    async def _prepare(self, sandbox: Sandbox) -> str | Grade:
-        """Make a fresh grading directory and restore the test files.
-
-        Failures here are the agent's doing (a full disk, a broken shell), so they grade 0;
-        a fault of the sandbox itself surfaces as an InfraError from `exec`.
-        """
-        made = await sandbox.exec('mktemp -d "${TMPDIR:-/tmp}/patchgym-grade.XXXXXXXXXX"', timeout_s=60)
-        if not made.ok or not made.stdout.strip():
-            return _failed("grading_setup_failed", {"log_tail": made.output[-2000:]})
+    async def _restore(self, room: GradingRoom) -> None:
+        """Reset the test files to the bytes the task holds; delete unshipped protected files."""
         targets = " ".join(shlex.quote(path) for path in self.test_paths)
         removal = f"rm -rf -- {targets}; " if targets else ""
         names = " -o ".join(f"-name {name}" for name in PROTECTED_FILE_NAMES)
-        cleared = await sandbox.exec(f"{removal}find . \\( {names} \\) -not -path './.git/*' -delete", timeout_s=120)
+        cleared = await room.run(f"{removal}find . \\( {names} \\) -not -path './.git/*' -delete", timeout_s=120)
         if not cleared.ok:
-            return _failed("grading_setup_failed", {"log_tail": cleared.output[-2000:]})
+            raise GradingSetupError("cannot restore the test files", cleared.output)
         for path, data in self.original_files.items():
-            await sandbox.write_file(path, data)
-        return made.stdout.strip()
-
-
-def _failed(reason: str, details: dict[str, Any], tests: Mapping[str, TestStatus] | None = None) -> Grade:
-    details["reason"] = reason
-    return Grade(reward=0.0, resolved=False, tests=dict(tests or {}), details=details)
+            await room.sandbox.write_file(path, data)

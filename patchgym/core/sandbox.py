@@ -32,6 +32,8 @@ class SandboxSpec:
     `workspace` is a local directory copied into the sandbox at `workdir`; `image` (or
     `dockerfile`) names a container image for backends that run images. Resource limits are
     applied by backends that can enforce them; `network=False` means no network at all.
+    `user` is who commands run as in container backends (`uid:gid` or a name; the workdir is
+    made theirs); None keeps the image's user.
     """
 
     workspace: Path | None = None
@@ -45,6 +47,7 @@ class SandboxSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     lease_s: float | None = None
+    user: str | None = None
 
     def __post_init__(self) -> None:
         if not self.workdir.startswith("/"):

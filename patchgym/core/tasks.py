@@ -12,6 +12,21 @@ from typing import Any
 from patchgym.core.errors import ConfigError, SandboxStartError
 from patchgym.core.sandbox import Sandbox, SandboxBackend, SandboxSpec
 
+AGENT_USER = "65534:65534"
+"""The unprivileged user (nobody:nogroup) agents of the built-in task sets run as in containers."""
+
+DEFAULT_LIMITS: Mapping[str, float] = {"cpus": 2.0, "memory_mb": 4096, "pids": 1024}
+"""Resource limits of every built-in task set's sandboxes; a task may set its own (higher or lower)."""
+
+
+def sandbox_limits(cpus: float | None = None, memory_mb: int | None = None, pids: int | None = None) -> dict[str, Any]:
+    """`SandboxSpec` limit arguments: the given values, `DEFAULT_LIMITS` for those not given."""
+    return {
+        "cpus": cpus or DEFAULT_LIMITS["cpus"],
+        "memory_mb": int(memory_mb or DEFAULT_LIMITS["memory_mb"]),
+        "pids": int(pids or DEFAULT_LIMITS["pids"]),
+    }
+
 
 class TestStatus(enum.StrEnum):
     """The outcome of one test, in SWE-bench's vocabulary."""
@@ -49,10 +64,21 @@ class Grade:
 
 
 class Grader(abc.ABC):
-    """Grades a sandbox after an episode. Raises `InfraError` only for infrastructure faults."""
+    """Grades a sandbox after an episode. Raises `InfraError` only for infrastructure faults.
+
+    `grades_container_state` is True for graders whose verdict rests on the whole sandbox (a
+    Harbor verifier), not on the repository: they cannot be re-graded from the agent's diff.
+    """
+
+    grades_container_state: bool = False
 
     @abc.abstractmethod
     async def grade(self, sandbox: Sandbox) -> Grade: ...
+
+    def is_test_path(self, path: str) -> bool:
+        """Whether `path` (relative to the workdir) is a test or test-configuration file: the
+        agent's changes to such files are never carried into a fresh grading sandbox."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,11 @@
 
 The JUnit XML parser is the trustworthy one: the grader has the test runner write the XML to
 a place the agent cannot reach, so printed lines cannot forge it. The log parsers (pytest
-`-rA` summaries, unittest `-v` output) exist for task sets that only have logs.
+`-rA` summaries, unittest `-v` output) exist for task sets that only have logs. Every parser
+keeps the worst status of a test reported twice, so a forged line printed after the real one
+cannot override it. An expected failure comes only from the runner's own result type
+(`pytest.xfail`, or the bundled unittest runner's `xfail`), never from a message the code
+under test chose.
 """
 
 from __future__ import annotations
@@ -19,8 +23,34 @@ _JUNIT_OUTCOMES = {
 }
 
 
+XFAIL_TYPES = ("pytest.xfail", "xfail")
+"""JUnit `type`s of a `<skipped>` that mean an expected failure (pytest's, the bundled runner's)."""
+PYTEST_XPASS_MESSAGE = "xfail-marked test passes unexpectedly"
+"""pytest's JUnit message for a non-strict XPASS (a `<skipped>` without a type): a pass."""
+
+_SEVERITY = {
+    TestStatus.PASSED: 0,
+    TestStatus.XFAIL: 1,
+    TestStatus.SKIPPED: 2,
+    TestStatus.FAILED: 3,
+    TestStatus.ERROR: 4,
+}
+
+
 class ReportError(ValueError):
     """A test report that cannot be parsed."""
+
+
+def worst(first: TestStatus | None, second: TestStatus) -> TestStatus:
+    """The worse of two statuses of one test (`first` None: `second`)."""
+    if first is None or _SEVERITY[second] > _SEVERITY[first]:
+        return second
+    return first
+
+
+def record(statuses: dict[str, TestStatus], test_id: str, status: TestStatus) -> None:
+    """Add a status; a test seen twice keeps its worst."""
+    statuses[test_id] = worst(statuses.get(test_id), status)
 
 
 def junit_test_id(classname: str, name: str, file: str | None) -> str:
@@ -48,13 +78,13 @@ def parse_junit_xml(data: bytes | str) -> dict[str, TestStatus]:
         status = TestStatus.PASSED
         for child in case:
             outcome = _JUNIT_OUTCOMES.get(child.tag)
-            if outcome is TestStatus.SKIPPED and "xfail" in (child.get("type", "") + child.get("message", "")):
+            if outcome is TestStatus.SKIPPED and child.get("type") in XFAIL_TYPES:
                 outcome = TestStatus.XFAIL
-            if outcome is not None and status in (TestStatus.PASSED, TestStatus.SKIPPED):
-                status = outcome
-        if statuses.get(test_id) in (TestStatus.FAILED, TestStatus.ERROR):
-            continue
-        statuses[test_id] = status
+            elif child.get("type") is None and child.get("message") == PYTEST_XPASS_MESSAGE:
+                outcome = TestStatus.PASSED
+            if outcome is not None:
+                status = worst(status, outcome)
+        record(statuses, test_id, status)
     return statuses
 
 
@@ -71,7 +101,7 @@ def parse_pytest_log(log: str) -> dict[str, TestStatus]:
         word, test_id = match.groups()
         if word == "SKIPPED" and test_id.startswith("["):
             continue  # "SKIPPED [1] file.py:3: reason" names no test
-        statuses[test_id] = TestStatus.PASSED if word == "XPASS" else TestStatus(word)
+        record(statuses, test_id, TestStatus.PASSED if word == "XPASS" else TestStatus(word))
     return statuses
 
 
@@ -92,7 +122,7 @@ def parse_unittest_log(log: str) -> dict[str, TestStatus]:
     statuses: dict[str, TestStatus] = {}
     for method, where, outcome in _UNITTEST_LINE.findall(log):
         test_id = where if where.endswith(f".{method}") else f"{where}.{method}"
-        statuses[test_id] = _UNITTEST_OUTCOMES.get(outcome, TestStatus.SKIPPED)
+        record(statuses, test_id, _UNITTEST_OUTCOMES.get(outcome, TestStatus.SKIPPED))
     return statuses
 
 

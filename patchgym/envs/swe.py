@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from patchgym.core.actions import BashBlockParser, submitted_by_output
 from patchgym.core.config import validate
 from patchgym.core.errors import ConfigError, InfraError, SandboxLostError
+from patchgym.core.fresh_grading import FreshSandboxGrader, GradingMode, TamperPolicy
 from patchgym.core.output import head_tail
 from patchgym.core.plugins import registry
 from patchgym.core.sandbox import ExecResult, Sandbox, SandboxBackend
@@ -79,6 +80,16 @@ class EnvConfig(BaseModel):
         description="an episode a cap ended before the agent submitted: its final state graded, or reward 0 ungraded",
     )
     turn_cost: float = Field(0.0, ge=0, description="subtracted from the episode's reward per turn the agent took")
+    grading_mode: GradingMode = Field(
+        "fresh",
+        description="'fresh': grade the agent's diff in a new sandbox; 'in_place': grade the agent's own "
+        "sandbox (weaker: its shell, interpreter and processes are the agent's)",
+    )
+    tamper_policy: TamperPolicy = Field(
+        "zero", description="what a tamper finding on the agent's diff costs: 'zero' reward, 'flag' only, or 'off'"
+    )
+    regrade_attempts: int = Field(1, ge=0, description="fresh sandboxes tried again when one is lost during grading")
+    max_diff_bytes: int = Field(50_000_000, gt=0, description="bytes of changed files carried into the grading sandbox")
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
 
@@ -279,8 +290,17 @@ class AsyncSWEEnv:
     async def _grade(self) -> None:
         assert self.trajectory is not None and self.task is not None and self.sandbox is not None
         graded_at = time.perf_counter()
+        grader = FreshSandboxGrader(
+            self.task.grader,
+            self.backend,
+            self.task,
+            mode=self.config.grading_mode,
+            tamper_policy=self.config.tamper_policy,
+            regrade_attempts=self.config.regrade_attempts,
+            max_diff_bytes=self.config.max_diff_bytes,
+        )
         try:
-            grade = await self.task.grader.grade(self.sandbox)
+            grade = await grader.grade(self.sandbox)
             self.trajectory.grade = grade.as_dict()
             self.trajectory.reward = grade.reward
         except InfraError as exc:

@@ -4,7 +4,8 @@ A task set is a directory with one sub-directory per task::
 
     <task-id>/
       task.json    {"id", "fail_to_pass", "pass_to_pass", "test_files", optional settings,
-                    "image" or "dockerfile" (relative path) for container backends}
+                    "image" or "dockerfile" (relative path) for container backends, "user"
+                    (default nobody; null: the image's), "cpus"/"memory_mb"/"pids" limits}
       issue.md     the issue text the agent reads
       gold.patch   the reference fix (unified diff, paths relative to repo/)
       solution.sh  optional: a short bash command with the same effect (the task's oracle);
@@ -27,7 +28,7 @@ from patchgym.core.errors import ConfigError
 from patchgym.core.grading import PROTECTED_FILE_NAMES, UNITTEST_COMMAND, TestCommandGrader
 from patchgym.core.plugins import LazyFactory, Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import LoadedTaskSet, Task
+from patchgym.core.tasks import AGENT_USER, LoadedTaskSet, Task, sandbox_limits
 
 TINY_TASKS = Path(__file__).with_name("tiny") / "tasks"
 
@@ -53,6 +54,10 @@ class TaskFile(BaseModel):
     oracle_turns: list[str] = []
     image: str | None = None
     dockerfile: str | None = None
+    user: str | None = AGENT_USER
+    cpus: float | None = None
+    memory_mb: int | None = None
+    pids: int | None = None
 
 
 def _protected_files(repo: Path, test_files: list[str]) -> dict[str, bytes]:
@@ -97,6 +102,8 @@ def load_task(folder: Path) -> Task:
             image=spec.image,
             dockerfile=folder / spec.dockerfile if spec.dockerfile else None,
             labels={"task_id": spec.id},
+            user=spec.user,
+            **sandbox_limits(spec.cpus, spec.memory_mb, spec.pids),
         ),
         grader=grader,
         setup_commands=tuple(spec.setup_commands),

@@ -11,18 +11,27 @@ the reward from `/logs/verifier/reward.json` (a flat object of numbers; its `rew
 its only key) or else `reward.txt` (one number). The script's exit code never grants reward: a
 missing, empty or malformed reward file is reward 0 with the reason. The oracle copies
 `solution/` to `/solution` and runs `solve.sh`.
+
+A Harbor verifier grades the container's state, so it runs in the agent's sandbox, hardened:
+first every process the agent left is stopped (`STOP_OTHERS`), then `test.sh` runs in the clean
+grading shell (no profile or rc file, an explicit environment), the processes it starts are
+killed when it ends, and the reward file must be a regular file of at most `MAX_REWARD_BYTES`.
+On Docker, the container's changes (`docker diff`, read from the engine, not from inside) must
+leave the shell start-up files and the interpreter alone (`PROTECTED_PATHS`, less the task's
+`[verifier].allowed_changes`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import fnmatch
 import io
 import json
 import math
 import re
 import shlex
 import tarfile
-import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,11 +39,53 @@ from pathlib import Path
 from typing import Any
 
 from patchgym.core.errors import ConfigError
+from patchgym.core.grading import GradeFailure, ShellGrader
+from patchgym.core.grading_shell import GradingRoom, GradingSetupError
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import Sandbox, SandboxSpec
-from patchgym.core.tasks import Grade, Grader, LoadedTaskSet, Task
+from patchgym.core.tasks import LoadedTaskSet, Task, TestStatus, sandbox_limits
+from patchgym.core.test_reports import ReportError
 
 VERIFIER_DIR = "/logs/verifier"
+MAX_REWARD_BYTES = 65_536
+STOP_OTHERS = (
+    'case "$(tr "\\0" " " < /proc/1/cmdline)" in *docker-init*|*tini*|sleep*) ;; *) echo 0; exit 0;; esac; '
+    'keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; '
+    'p=$(sed -n "s/^PPid:[[:space:]]*//p" /proc/$p/status 2>/dev/null); [ -n "$p" ] || break; done; '
+    'main=$(cut -d" " -f1 /proc/1/task/1/children 2>/dev/null); keep="$keep$main "; n=0; '
+    "for signal in STOP KILL; do for d in /proc/[0-9]*; do q=${d#/proc/}; "
+    'case "$keep" in *" $q "*) continue;; esac; kill -$signal "$q" 2>/dev/null && n=$((n+1)); done; done; echo $((n/2))'
+)
+"""Bash that stops, then kills, every process but PID 1, the container's main process and its own
+ancestors, in a container whose PID 1 is an init (elsewhere it kills nothing): what the agent
+left running cannot touch the verifier's files while it runs."""
+PROTECTED_PATHS = (
+    "/etc/profile",
+    "/etc/profile.d/*",
+    "/etc/bash.bashrc",
+    "/etc/environment",
+    "/etc/ld.so.preload",
+    "/root/.bashrc",
+    "/root/.profile",
+    "/root/.bash_profile",
+    "/root/.bash_login",
+    "/home/*/.bashrc",
+    "/home/*/.profile",
+    "/home/*/.bash_profile",
+    "/usr/local/bin/*",
+    "/usr/local/sbin/*",
+    "/usr/bin/python*",
+    "/usr/bin/bash",
+    "/usr/bin/env",
+    "/bin/*",
+    "*/sitecustomize.py",
+    "*/usercustomize.py",
+    "*.pth",
+)
+"""Container paths (fnmatch patterns) a Harbor agent may not change: shell start-up files, the
+interpreter and shell entry points, and Python start-up hooks. A change is reward 0
+(`verifier_environment_changed`); a task allows what it must change with
+`[verifier].allowed_changes` in task.toml."""
 MAX_ORACLE_BYTES = 96_000
 """The oracle travels inside one command line (a kernel limit of 128 KiB per argument)."""
 _WORKDIR = re.compile(r"^\s*WORKDIR\s+(\S+)\s*$", re.I | re.M)
@@ -68,63 +119,76 @@ def read_reward(name: str, text: str) -> tuple[float | None, str]:
 
 
 @dataclass(frozen=True)
-class HarborGrader(Grader):
+class HarborGrader(ShellGrader):
     """Runs a Harbor task's `tests/test.sh` and reads the reward file; see the module docstring."""
 
     tests_tar: bytes
     timeout_s: float = 600.0
     env: Mapping[str, str] = field(default_factory=dict)
     max_log_bytes: int = 1_000_000
+    stop_agent_processes: bool = True
+    protected_paths: tuple[str, ...] = PROTECTED_PATHS
+    allowed_changes: tuple[str, ...] = ()
+    grades_container_state = True  # type: ignore[misc]
 
-    async def grade(self, sandbox: Sandbox) -> Grade:
-        started = time.perf_counter()
-        made = await sandbox.exec('mktemp -d "${TMPDIR:-/tmp}/patchgym-grade.XXXXXXXXXX"', timeout_s=60)
-        grade_dir = made.stdout.strip()
-        if not made.ok or not grade_dir:
-            return _zero("grading_setup_failed", {"log_tail": made.output[-2000:]})
-        archive = f"{grade_dir}/tests.tar"
-        await sandbox.write_file(archive, self.tests_tar)
-        staged = await sandbox.exec(
+    async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
+        if self.stop_agent_processes:
+            stopped = await sandbox.exec(STOP_OTHERS, timeout_s=60)
+            details["agent_processes_stopped"] = stopped.stdout.strip()
+        changed = await container_changes(sandbox)
+        if changed is not None:
+            touched = [path for path in changed if self._protected(path)]
+            details["protected_changes"] = touched[:20]
+            if touched:
+                raise GradeFailure("verifier_environment_changed", f"the agent changed {', '.join(touched[:5])}")
+        room = await GradingRoom.open(sandbox)
+        archive = await room.write("tests.tar", self.tests_tar)
+        staged = await room.run(
             f"rm -rf /tests {VERIFIER_DIR} && mkdir -p /tests {VERIFIER_DIR} "
             f"&& tar -xf {shlex.quote(archive)} -C /tests",
             timeout_s=120,
         )
         if not staged.ok:
-            return _zero("grading_setup_failed", {"log_tail": staged.output[-2000:]})
-        run = await sandbox.exec(
-            "bash /tests/test.sh", timeout_s=self.timeout_s, env=dict(self.env), max_output_bytes=self.max_log_bytes
+            raise GradingSetupError("cannot stage the verifier's tests", staged.output)
+        run = await room.run(
+            "bash --noprofile --norc /tests/test.sh",
+            timeout_s=self.timeout_s,
+            env=dict(self.env),
+            max_output_bytes=self.max_log_bytes,
+            sweep=True,
         )
-        details: dict[str, Any] = {
-            "exit_code": run.exit_code,
-            "test_duration_s": round(run.duration_s, 3),
-            "log_tail": run.output[-2000:],
-        }
+        details.update(exit_code=run.exit_code, test_duration_s=round(run.duration_s, 3), log_tail=run.output[-2000:])
         if run.timed_out:
-            return _zero("tests_timed_out", details)
-        found = await sandbox.exec(
-            f"cd {VERIFIER_DIR} && for f in reward.json reward.txt; do "
-            'if [ -f "$f" ]; then echo "$f"; head -c 65536 "$f"; exit 0; fi; done; exit 3',
-            timeout_s=60,
-        )
-        if found.exit_code == 3:
-            message = f"tests/test.sh wrote neither {VERIFIER_DIR}/reward.json nor reward.txt"
-            return _zero("no_reward_file", details, message)
-        if not found.ok:
-            return _zero("reward_unreadable", details, f"cannot read the reward file: {found.output[-500:]}")
-        name, _, text = found.stdout.partition("\n")
-        reward, problem = read_reward(name, text)
-        details["grade_duration_s"] = round(time.perf_counter() - started, 3)
-        if reward is None:
-            return _zero(problem.split(":")[0], details, problem.partition(": ")[2])
-        details.update(reason="rewarded", reward_file=name)
-        return Grade(reward=reward, resolved=reward >= 1.0, details=details)
+            raise GradeFailure("tests_timed_out")
+        for name in ("reward.json", "reward.txt"):
+            try:
+                text = await room.read_report(f"{VERIFIER_DIR}/{name}", max_bytes=MAX_REWARD_BYTES)
+            except FileNotFoundError:
+                continue
+            except ReportError as exc:
+                raise GradeFailure("reward_unreadable", str(exc)) from None
+            reward, problem = read_reward(name, text.decode("utf-8", "replace"))
+            if reward is None:
+                raise GradeFailure(problem.split(":")[0], problem.partition(": ")[2])
+            details.update(reason="rewarded", reward_file=name)
+            return reward, {}
+        raise GradeFailure("no_reward_file", f"tests/test.sh wrote neither {VERIFIER_DIR}/reward.json nor reward.txt")
+
+    def _protected(self, path: str) -> bool:
+        if any(fnmatch.fnmatch(path, pattern) for pattern in self.allowed_changes):
+            return False
+        return any(fnmatch.fnmatch(path, pattern) for pattern in self.protected_paths)
 
 
-def _zero(reason: str, details: dict[str, Any], message: str = "") -> Grade:
-    details["reason"] = reason
-    if message:
-        details["message"] = message
-    return Grade(reward=0.0, resolved=False, details=details)
+async def container_changes(sandbox: Sandbox) -> list[str] | None:
+    """Paths the container's filesystem changed since its image (`docker diff`), as the Docker
+    engine sees them; None for sandboxes that are not Docker containers."""
+    container = getattr(sandbox, "container", None)
+    if not callable(getattr(container, "diff", None)):
+        return None
+    assert container is not None
+    changes = await asyncio.to_thread(container.diff)
+    return sorted(str(change["Path"]) for change in changes or [])
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -175,8 +239,7 @@ def load_harbor_task(folder: Path) -> Task:
         image=image,
         dockerfile=dockerfile if dockerfile.is_file() else None,
         workdir=workdir,
-        cpus=_number(environment, "cpus", where),
-        memory_mb=int(memory) if memory else None,
+        **sandbox_limits(_number(environment, "cpus", where), int(memory) if memory else None),
         network=bool(environment.get("allow_internet", False)),
         env={str(k): str(v) for k, v in environment.get("env", {}).items()},
         labels={"task_id": folder.name},
@@ -185,6 +248,7 @@ def load_harbor_task(folder: Path) -> Task:
         tests_tar=_tar(folder / "tests"),
         timeout_s=_number(verifier, "timeout_sec", where) or 600.0,
         env={str(k): str(v) for k, v in verifier.get("env", {}).items()},
+        allowed_changes=tuple(str(p) for p in verifier.get("allowed_changes", [])),
     )
     return Task(
         id=folder.name,

@@ -1,40 +1,48 @@
 """Log-based grading for SWE-bench-style instances, hardened against reward hacking.
 
-`SWELogGrader` restores the test files from a fixed commit (the files the test patch touches
-and every changed file that looks like a test or test configuration: edited ones revert,
-added ones go away), applies the instance's test patch from a grading directory outside the
-workspace, runs the test command, and records its exit code. The log is parsed with the
-`swebench` package's parser for the repository (or a named one) and judged with its
-`get_eval_tests_report` / `get_resolution_status`, so verdicts agree with the harness; without
-`swebench` installed, patchgym's own pytest/unittest parsers and `resolve` are used.
+`SWELogGrader` restores the test files from a fixed commit (every file that looks like a test
+or test configuration, and the files the test patch touches: edited ones revert, added ones go
+away), applies the instance's test patch from a grading directory outside the workspace, runs
+the test command in the clean grading shell, and records its exit code. Restoration writes
+each file from the commit's blob (`git cat-file blob`, replace refs off): no index flag
+(assume-unchanged, skip-worktree), attributes filter or `git diff` of the sandbox decides what
+is restored. The log is parsed with the `swebench` package's parser for the repository (or a
+named one) and judged with its `get_eval_tests_report` / `get_resolution_status`, so verdicts
+agree with the harness; without `swebench` installed, patchgym's own pytest/unittest parsers
+and `resolve` are used.
 
-Forgery defences beyond restoration: a non-zero exit with no failing test in the log is
-`exit_code_mismatch` (printed PASSED lines cannot hide a failing run), git runs with hooks and
-fsmonitor disabled. Not defended against: an agent that replaces git or the interpreter, or
-that loads a forging pytest plugin through `addopts` in `setup.cfg`/`pyproject.toml` (those
-files are not restored, since real fixes may change them).
+Forgery defences beyond restoration: only the test run's own output is parsed (what the set-up
+steps print, pip's lines among them, goes to a file of the grading directory); a test reported
+twice keeps its worst status (a forged PASSED line after the real FAILED one does not count); a
+non-zero exit with no failing test in the log is `exit_code_mismatch`. Graded in a fresh sandbox
+(`FreshSandboxGrader`, the default), git and the interpreter are the task's, not the agent's;
+in place they are only as honest as the agent's sandbox. The tamper check flags `addopts` and
+plugin options the agent added to `setup.cfg`/`pyproject.toml`/`tox.ini`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shlex
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from patchgym.core.errors import ConfigError
-from patchgym.core.grading import resolve
+from patchgym.core.grading import GradeFailure, ShellGrader, resolve, zero_grade
+from patchgym.core.grading_shell import GradingRoom, GradingSetupError
 from patchgym.core.sandbox import Sandbox
-from patchgym.core.tasks import Grade, Grader, TestStatus
-from patchgym.core.test_reports import LOG_PARSERS
+from patchgym.core.tasks import Grade, TestStatus
+from patchgym.core.test_reports import LOG_PARSERS, worst
 
 TEST_PATH_PATTERN = r"(^|/)(tests?|testing)/|(^|/)test_[^/]*$|_tests?\.py$|(^|/)(conftest\.py|pytest\.ini|tox\.ini)$"
 """Paths treated as tests or test configuration (POSIX ERE): changed ones are reverted before grading."""
 
 SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
+RESTORE_GIT = f"{SAFE_GIT} --no-replace-objects -c core.attributesFile=/dev/null"
+"""git for restoring test files: no hooks, no fsmonitor, no replace refs, no attributes file."""
 
 StatusMap = dict[str, str]
 
@@ -103,11 +111,20 @@ def _test_spec(instance_id: str, repo: str, version: str, f2p: list[str], p2p: l
 
 
 def parse_log(log: str, parser: str, *, repo: str = "", instance_id: str = "", version: str = "") -> StatusMap:
-    """`{test: status}` from a test log with the named parser (see `SWELogGrader.log_parser`)."""
+    """`{test: status}` from a test log with the named parser (see `SWELogGrader.log_parser`).
+
+    A test reported twice keeps its worst status: swebench's parsers keep the last line, so each
+    line is also parsed on its own and the worse status wins.
+    """
     if parser in LOG_PARSERS:
         return {name: str(status) for name, status in LOG_PARSERS[parser](log).items()}
     parse = _swebench_parser(parser, repo)
-    return dict(parse(log, _test_spec(instance_id, repo, version, [], [])))
+    spec = _test_spec(instance_id, repo, version, [], [])
+    statuses = {name: _status(value) for name, value in parse(log, spec).items()}
+    for line in log.splitlines():
+        for name, value in parse(line, spec).items():
+            statuses[name] = worst(statuses.get(name), _status(value))
+    return {name: str(status) for name, status in statuses.items()}
 
 
 def judge(status_map: Mapping[str, str], f2p: list[str], p2p: list[str]) -> tuple[str, dict[str, Any]]:
@@ -130,18 +147,23 @@ def _status(value: str) -> TestStatus:
 
 
 def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PATTERN) -> str:
-    """Bash that resets `files` and every changed path matching `pattern` to commit `ref`."""
+    """Bash that resets every test path (matching `pattern`) and `files` to their blobs at commit
+    `ref`: files at `ref` are written from the blob, files absent there are deleted."""
     listed = "".join(f"{path}\n" for path in files)
+    git = RESTORE_GIT
     return (
         f"set -u; ref={shlex.quote(ref)}\n"
-        f'{SAFE_GIT} rev-parse -q --verify "$ref^{{commit}}" >/dev/null '
+        f'{git} rev-parse -q --verify "$ref^{{commit}}" >/dev/null '
         '|| { echo "commit $ref is not in the repository"; exit 3; }\n'
-        f'{{ {{ {SAFE_GIT} -c core.quotepath=off diff --name-only "$ref" -- ; '
-        f"{SAFE_GIT} -c core.quotepath=off ls-files --others -- ; }} | grep -E {shlex.quote(pattern)}; "
-        f"printf %s {shlex.quote(listed)}; }} | sort -u | while IFS= read -r f; do\n"
+        f'{{ {{ {git} ls-tree -r -z --name-only "$ref"; '
+        "find . -path ./.git -prune -o \\( -type f -o -type l \\) -printf '%P\\0'; } "
+        f"| grep -zE {shlex.quote(pattern)}; printf %s {shlex.quote(listed)} | tr '\\n' '\\0'; }} "
+        "| sort -zu | while IFS= read -r -d '' f; do\n"
         '  [ -n "$f" ] || continue\n'
-        f'  if {SAFE_GIT} cat-file -e "$ref:$f" 2>/dev/null; then {SAFE_GIT} checkout -q "$ref" -- "$f" || exit 4;\n'
-        '  else rm -rf -- "$f"; fi\n'
+        '  rm -rf -- "$f" || exit 4\n'
+        f'  if {git} cat-file -e "$ref:$f" 2>/dev/null; then\n'
+        f'    mkdir -p -- "$(dirname -- "$f")" && {git} cat-file blob "$ref:$f" > "$f" || exit 4\n'
+        "  fi\n"
         "done"
     )
 
@@ -151,12 +173,13 @@ def _listing(names: list[str], limit: int = 20) -> list[str]:
 
 
 @dataclass(frozen=True)
-class SWELogGrader(Grader):
+class SWELogGrader(ShellGrader):
     """Grades a SWE-bench/SWE-smith instance by its test log; see the module docstring.
 
-    `restore_ref` is the commit whose test files are authoritative. `test_command` runs in the
-    workdir (environment activation included). `log_parser`: "swebench" (the package's parser
-    for `repo`), a swebench `parse_log_*` name, or patchgym's "pytest"/"unittest".
+    `restore_ref` is the commit whose test files are authoritative. `test_setup` runs first
+    (environment activation, install steps; its output is not parsed), then `test_command`, in
+    the workdir, in one clean shell. `log_parser`: "swebench" (the package's parser for `repo`),
+    a swebench `parse_log_*` name, or patchgym's "pytest"/"unittest".
     """
 
     instance_id: str
@@ -168,6 +191,7 @@ class SWELogGrader(Grader):
     restore_ref: str
     test_files: tuple[str, ...] = ()
     test_patch: str = ""
+    test_setup: str = ""
     log_parser: str = "swebench"
     timeout_s: float = 1800.0
     max_log_bytes: int = 4_000_000
@@ -175,57 +199,58 @@ class SWELogGrader(Grader):
     def __post_init__(self) -> None:
         check_log_parser(self.log_parser, self.repo)
 
-    async def grade(self, sandbox: Sandbox) -> Grade:
-        started = time.perf_counter()
-        details: dict[str, Any] = {}
-        made = await sandbox.exec('mktemp -d "${TMPDIR:-/tmp}/patchgym-grade.XXXXXXXXXX"', timeout_s=60)
-        grade_dir = made.stdout.strip()
-        if not made.ok or not grade_dir:
-            return _zero("grading_setup_failed", details, made.output)
-        restored = await sandbox.exec(restore_script(self.restore_ref, self.test_files), timeout_s=300)
+    def is_test_path(self, path: str) -> bool:
+        return path in self.test_files or re.search(TEST_PATH_PATTERN, path) is not None
+
+    async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
+        room = await GradingRoom.open(sandbox)
+        restored = await room.run(restore_script(self.restore_ref, self.test_files), timeout_s=300)
         if not restored.ok:
-            return _zero("test_restore_failed", details, restored.output)
+            raise GradingSetupError("cannot restore the test files (test_restore_failed)", restored.output)
         if self.test_patch:
-            patch_path = f"{grade_dir}/test.patch"
-            await sandbox.write_file(patch_path, self.test_patch)
-            applied = await sandbox.exec(f"{SAFE_GIT} apply -v {shlex.quote(patch_path)}", timeout_s=120)
+            patch_path = await room.write("test.patch", self.test_patch)
+            applied = await room.run(f"{SAFE_GIT} apply -v {shlex.quote(patch_path)}", timeout_s=120)
             if not applied.ok:
-                return _zero("test_patch_failed", details, applied.output)
-        run = await sandbox.exec(
-            f"( {self.test_command} ) 2>&1", timeout_s=self.timeout_s, max_output_bytes=self.max_log_bytes
+                raise GradeFailure("test_patch_failed", applied.output[-2000:])
+        setup = f"{{ {self.test_setup}\n}} >> {shlex.quote(room.root + '/setup.log')} 2>&1; " if self.test_setup else ""
+        run = await room.run(
+            f"{setup}( {self.test_command}\n) 2>&1",
+            timeout_s=self.timeout_s,
+            max_output_bytes=self.max_log_bytes,
+            sweep=True,
         )
         details.update(exit_code=run.exit_code, test_duration_s=round(run.duration_s, 3), log_tail=run.output[-2000:])
-        grade = self.judge_log(run.output, run.exit_code, timed_out=run.timed_out, details=details)
-        details["grade_duration_s"] = round(time.perf_counter() - started, 3)
-        return grade
+        return self._verdict(run.output, run.exit_code, timed_out=run.timed_out, details=details)
 
     def judge_log(
         self, log: str, exit_code: int | None, *, timed_out: bool = False, details: dict[str, Any] | None = None
     ) -> Grade:
         """The verdict on one test run's log and exit code (also usable on stored logs)."""
         details = {} if details is None else details
+        try:
+            reward, tests = self._verdict(log, exit_code, timed_out=timed_out, details=details)
+        except GradeFailure as failure:
+            return zero_grade(failure.reason, details, message=failure.message, tests=failure.tests)
+        return Grade(reward=reward, resolved=reward >= 1.0, tests=dict(tests), details=details)
+
+    def _verdict(
+        self, log: str, exit_code: int | None, *, timed_out: bool, details: dict[str, Any]
+    ) -> tuple[float, Mapping[str, TestStatus]]:
         if timed_out:
-            return _zero("tests_timed_out", details)
+            raise GradeFailure("tests_timed_out")
         status_map = parse_log(log, self.log_parser, repo=self.repo, instance_id=self.instance_id, version=self.version)
         tests = {name: _status(value) for name, value in status_map.items()}
         if not tests:
-            return _zero("no_test_results", details)
+            raise GradeFailure("no_test_results")
         if exit_code != 0 and not any(s in (TestStatus.FAILED, TestStatus.ERROR) for s in tests.values()):
-            return _zero("exit_code_mismatch", details, tests=tests)
+            raise GradeFailure("exit_code_mismatch", tests=tests)
         resolution, report = judge(status_map, list(self.fail_to_pass), list(self.pass_to_pass))
         resolved = resolution == "RESOLVED_FULL"
         details.update(resolution=resolution, reason="resolved" if resolved else "tests_failed")
         details["report"] = {
-            group: {k: _listing(list(v)) for k, v in outcome.items()} if isinstance(outcome, dict) else outcome
+            group: {k: _listing(list(v)) if isinstance(v, list | tuple) else v for k, v in outcome.items()}
+            if isinstance(outcome, dict)
+            else outcome
             for group, outcome in report.items()
         }
-        return Grade(reward=1.0 if resolved else 0.0, resolved=resolved, tests=tests, details=details)
-
-
-def _zero(
-    reason: str, details: dict[str, Any], log: str = "", *, tests: Mapping[str, TestStatus] | None = None
-) -> Grade:
-    details["reason"] = reason
-    if log:
-        details.setdefault("log_tail", log[-2000:])
-    return Grade(reward=0.0, resolved=False, tests=dict(tests or {}), details=details)
+        return (1.0 if resolved else 0.0), tests

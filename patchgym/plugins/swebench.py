@@ -18,7 +18,7 @@ from typing import Any
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import LoadedTaskSet, Task
+from patchgym.core.tasks import LoadedTaskSet, Task, sandbox_limits
 from patchgym.plugins.swe_data import (
     LIST_FIELDS,
     listed_tests,
@@ -148,7 +148,9 @@ class SWEBenchTaskSet(LoadedTaskSet):
         image = row.get("image_name") or swebench_image(
             instance_id, namespace=self.options["namespace"], arch=self.options["arch"], tag=self.options["tag"]
         )
-        return SandboxSpec(workspace=workspace, image=image, workdir="/testbed", labels={"task_id": instance_id})
+        return SandboxSpec(
+            workspace=workspace, image=image, workdir="/testbed", **sandbox_limits(), labels={"task_id": instance_id}
+        )
 
     def task(self, row: Mapping[str, Any]) -> Task:
         """The task for one instance row."""
@@ -165,7 +167,8 @@ class SWEBenchTaskSet(LoadedTaskSet):
             version=str(row.get("version", "")),
             fail_to_pass=tuple(f2p),
             pass_to_pass=tuple(p2p),
-            test_command="; ".join([*activate, *steps, command]),
+            test_setup="; ".join([*activate, *steps]),
+            test_command=command,
             restore_ref=row["base_commit"],
             test_files=tuple(patch_files(row["test_patch"])),
             test_patch=row["test_patch"],

@@ -24,7 +24,7 @@ from typing import Any
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import Task
+from patchgym.core.tasks import Task, sandbox_limits
 from patchgym.core.validation import PATCH_DELIMITER
 from patchgym.plugins.swe_data import LIST_FIELDS, listed_tests, require, swesmith_image
 from patchgym.plugins.swe_grading import SAFE_GIT, SWELogGrader
@@ -87,7 +87,13 @@ class SWESmithTaskSet(SWEBenchTaskSet):
         image = row.get("image_name") or swesmith_image(
             repo, commit, namespace=self.options["namespace"], arch=self.options["arch"]
         )
-        return SandboxSpec(workspace=workspace, image=image, workdir="/testbed", labels={"task_id": row["instance_id"]})
+        return SandboxSpec(
+            workspace=workspace,
+            image=image,
+            workdir="/testbed",
+            **sandbox_limits(),
+            labels={"task_id": row["instance_id"]},
+        )
 
     def task(self, row: Mapping[str, Any]) -> Task:
         require(row, REQUIRED_FIELDS, self.path)
@@ -104,7 +110,8 @@ class SWESmithTaskSet(SWEBenchTaskSet):
             version=str(row.get("version", "")),
             fail_to_pass=tuple(f2p),
             pass_to_pass=tuple(p2p),
-            test_command="; ".join([*activate, command]),
+            test_setup="; ".join(activate),
+            test_command=command,
             restore_ref=row["base_commit"],
             test_files=tuple(hidden),
             log_parser=row.get("log_parser") or self.options["log_parser"],

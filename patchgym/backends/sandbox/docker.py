@@ -150,12 +150,13 @@ class _Shape:
     env: tuple[tuple[str, str], ...]
     workspace: str | None
     """Staged into the container before it is handed out, so warm containers are ready to use."""
+    user: str | None = None
 
     @classmethod
     def of(cls, spec: SandboxSpec, image: str) -> _Shape:
         env = tuple(sorted(spec.env.items()))
         workspace = str(Path(spec.workspace).resolve()) if spec.workspace else None
-        return cls(image, spec.workdir, spec.cpus, spec.memory_mb, spec.pids, spec.network, env, workspace)
+        return cls(image, spec.workdir, spec.cpus, spec.memory_mb, spec.pids, spec.network, env, workspace, spec.user)
 
 
 @dataclass
@@ -507,6 +508,9 @@ class DockerSandboxBackend(SandboxBackend):
         if shape.pids:
             limits["pids_limit"] = shape.pids
         network = {"network": self.network} if shape.network else {"network_mode": "none"}
+        # an unprivileged user cannot change the interpreter, the system or other users' files;
+        # its home is in /tmp, which it can write (an image's nobody has none)
+        environment = {"HOME": "/tmp", **dict(shape.env)} if shape.user else dict(shape.env)
         try:  # create + start, not run: run would try to pull a missing image from a registry
             container = self.client.containers.create(
                 shape.image,
@@ -514,7 +518,8 @@ class DockerSandboxBackend(SandboxBackend):
                 init=True,
                 labels=dict(labels),
                 working_dir=shape.workdir,
-                environment=dict(shape.env),
+                environment=environment,
+                user=shape.user or "",
                 **network,
                 **limits,
             )
@@ -533,16 +538,19 @@ class DockerSandboxBackend(SandboxBackend):
         return container
 
     def _provision(self, shape: _Shape, labels: Mapping[str, str]) -> Container:
-        """A started container with the workspace staged at its workdir."""
+        """A started container with the workspace staged at its workdir (owned by the spec's user)."""
         container = self._run_container(shape, labels)
-        if shape.workspace is None:
-            return container
         try:
-            with _tar_dir(Path(shape.workspace), shape.workdir) as archive:
-                _put_archive(container, "/", archive)
-        except (InfraError, OSError) as exc:
+            if shape.workspace is not None:
+                with _tar_dir(Path(shape.workspace), shape.workdir) as archive:
+                    _put_archive(container, "/", archive)
+            if shape.user:
+                owned = container.exec_run(["chown", "-R", shape.user, shape.workdir], user="root")
+                if owned.exit_code != 0:
+                    raise OSError(f"chown of {shape.workdir} to {shape.user} failed: {owned.output[-500:]!r}")
+        except (InfraError, OSError, *_DOCKER_FAULTS) as exc:
             self._remove_sync(container)
-            raise SandboxStartError(f"cannot copy workspace {shape.workspace!r} into a container: {exc}") from exc
+            raise SandboxStartError(f"cannot prepare {shape.workdir} in a container of {shape.image!r}: {exc}") from exc
         return container
 
     async def create(self, spec: SandboxSpec) -> DockerSandbox:

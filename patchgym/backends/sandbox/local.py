@@ -51,8 +51,12 @@ T = TypeVar("T")
 _ROOT_PREFIX = "patchgym-"
 _LABELS_FILE = "labels.json"
 _HIDDEN_FROM_BWRAP = {"proc", "dev", "sys", "tmp", "run", "var"}
-"""Not exposed: /var and /run hold other programs' mounts (Docker's among them), which can
+"""Never bound: /var and /run hold other programs' mounts (Docker's among them), which can
 change while bubblewrap binds them; sandboxes get an empty /var/tmp instead."""
+BWRAP_HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
+"""Top-level host directories a bwrap sandbox sees (read-only): the system, not the users' files.
+Home directories, /srv, /mnt, /work and the like stay hidden, and with them every task's data
+(gold patches, hidden tests, oracles) kept on this host."""
 
 
 def _bwrap_works() -> bool:
@@ -66,17 +70,28 @@ def _bwrap_works() -> bool:
     return probe.returncode == 0
 
 
+def _interpreter_dirs() -> list[str]:
+    """This interpreter's installation and environment, wherever they live (a venv, pyenv)."""
+    found = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    return sorted({os.path.realpath(path) for path in found} | {sys.prefix, sys.base_prefix})
+
+
 def _host_root_binds(workdir: str) -> list[str]:
-    """bwrap arguments exposing every top-level host directory read-only, except a few."""
+    """bwrap arguments exposing the system directories (`BWRAP_HOST_DIRS`) and this interpreter
+    read-only; nothing else of the host."""
     hidden = _HIDDEN_FROM_BWRAP | {workdir.strip("/").split("/")[0]}
     args: list[str] = []
     for entry in sorted(os.scandir("/"), key=lambda e: e.name):
-        if entry.name in hidden:
+        if entry.name in hidden or entry.name not in BWRAP_HOST_DIRS:
             continue
         if entry.is_symlink():
             args += ["--symlink", os.readlink(entry.path), entry.path]
         else:
             args += ["--ro-bind", entry.path, entry.path]
+    for path in _interpreter_dirs():
+        top = Path(path).parts[1] if len(Path(path).parts) > 1 else ""
+        if top not in BWRAP_HOST_DIRS and os.path.isdir(path):
+            args += ["--ro-bind", path, path]
     return args
 
 

@@ -16,7 +16,7 @@ from patchgym.core.errors import ConfigError
 from patchgym.core.grading import TestCommandGrader
 from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.core.tasks import LoadedTaskSet, Task
+from patchgym.core.tasks import AGENT_USER, LoadedTaskSet, Task, sandbox_limits
 from patchgym.core.validation import apply_patch_command
 from patchgym.plugins.folder import GIT_SNAPSHOT, _protected_files
 from patchgym.plugins.synthetic.generate import INSTANCES_FILE, SNAPSHOTS_DIR
@@ -78,7 +78,11 @@ class SyntheticTaskSet(LoadedTaskSet):
             id=instance["instance_id"],
             instruction=instance["problem_statement"],
             sandbox=SandboxSpec(
-                workspace=snapshot, image=instance.get("image_name"), labels={"task_id": instance["instance_id"]}
+                workspace=snapshot,
+                image=instance.get("image_name"),
+                labels={"task_id": instance["instance_id"]},
+                user=AGENT_USER,
+                **sandbox_limits(),
             ),
             grader=grader,
             setup_commands=(GIT_SNAPSHOT, apply_patch_command(instance["patch"]), COMMIT_BUG),

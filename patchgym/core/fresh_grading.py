@@ -1,0 +1,188 @@
+"""`FreshSandboxGrader`: grade only the agent's diff, in a fresh sandbox, and never stop a run.
+
+Wraps a task's grader and delegates `grade` to it (like a Gymnasium `Wrapper`). In "fresh" mode
+(the default) it starts a new sandbox from the task (`start_task_sandbox`), downloads the
+pristine tree from it and the agent's tree from the sandbox the agent used, compares the bytes
+on the host (`tree_diff`: no git of the agent's sandbox is involved), and copies the changed
+non-test files into the fresh sandbox, where the wrapped grader runs. No process, file outside
+the repository or shell state of the agent carries over. The diff is scanned by the tamper
+check (`tamper`) first; with `tamper_policy="zero"` a finding is reward 0.
+
+"in_place" mode grades the agent's own sandbox, as the wrapped grader alone would: weaker (the
+agent may have changed the interpreter, its shell start-up files or left processes behind), kept
+for speed and for task formats with no repository diff. Graders whose verdict rests on the
+whole sandbox (`grades_container_state`, e.g. Harbor's) are always graded in place.
+
+No grading error stops a run: any exception other than an `InfraError` is reward 0 with the
+reason `grading_error`. A sandbox lost during grading is graded again in another fresh sandbox
+(up to `regrade_attempts` times), then reward 0: the code under test killing its own container
+never escapes a zero. The agent's own sandbox gone before its tree is read stays an
+infrastructure fault (`SandboxLostError`): nothing tells it apart from a real loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import posixpath
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from patchgym.core.errors import InfraError, SandboxLostError
+from patchgym.core.grading import zero_grade
+from patchgym.core.sandbox import Sandbox, SandboxBackend
+from patchgym.core.tamper import tamper_findings
+from patchgym.core.tasks import Grade, Grader, Task, start_task_sandbox
+from patchgym.core.tree_diff import FileChange, remove_tree, tree_changes
+
+GRADING_LABEL = {"role": "grading"}
+"""Label of the fresh sandboxes graders start (beside the task's own labels)."""
+
+GradingMode = Literal["fresh", "in_place"]
+TamperPolicy = Literal["zero", "flag", "off"]
+
+
+class _Verdict(Exception):
+    """Ends grading early with this grade."""
+
+    def __init__(self, grade: Grade) -> None:
+        super().__init__(grade.details.get("reason", ""))
+        self.grade = grade
+
+
+@dataclass(frozen=True)
+class FreshSandboxGrader(Grader):
+    """Grades `task` with its grader in a fresh sandbox of `backend`; see the module docstring."""
+
+    inner: Grader
+    backend: SandboxBackend
+    task: Task
+    mode: GradingMode = "fresh"
+    tamper_policy: TamperPolicy = "zero"
+    regrade_attempts: int = 1
+    max_diff_bytes: int = 50_000_000
+
+    @property
+    def grades_container_state(self) -> bool:  # type: ignore[override]
+        return self.inner.grades_container_state
+
+    def is_test_path(self, path: str) -> bool:
+        return self.inner.is_test_path(path)
+
+    async def grade(self, sandbox: Sandbox) -> Grade:
+        started = time.perf_counter()
+        mode = "in_place" if self.mode == "in_place" or self.inner.grades_container_state else "fresh"
+        details: dict[str, Any] = {"mode": mode}
+        try:
+            if mode == "in_place":
+                grade = await self.inner.grade(sandbox)
+            else:
+                grade = await self._grade_fresh(sandbox, details)
+        except _Verdict as verdict:
+            grade = verdict.grade
+        except InfraError:
+            raise
+        except Exception as exc:  # a grading error is this episode's zero, never a stopped run
+            grade = zero_grade("grading_error", message=f"{type(exc).__name__}: {exc}")
+        details["total_s"] = round(time.perf_counter() - started, 3)
+        return Grade(grade.reward, grade.resolved, grade.tests, {**grade.details, "grading": details})
+
+    async def _grade_fresh(self, agent_sandbox: Sandbox, details: dict[str, Any]) -> Grade:
+        changes: list[FileChange] | None = None
+        for attempt in range(self.regrade_attempts + 1):
+            details["attempts"] = attempt + 1
+            started = time.perf_counter()
+            fresh = await start_task_sandbox(self.backend, self._grading_task())
+            details.setdefault("fresh_start_s", round(time.perf_counter() - started, 3))
+            async with fresh:
+                if changes is None:
+                    started = time.perf_counter()
+                    changes = await self._changes(agent_sandbox, fresh, details)
+                    details["diff_s"] = round(time.perf_counter() - started, 3)
+                await self._apply(fresh, changes)
+                try:
+                    return await self.inner.grade(fresh)
+                except SandboxLostError as exc:
+                    details.setdefault("lost", []).append(str(exc)[:500])
+        return zero_grade(
+            "sandbox_lost_during_grading",
+            message=f"the grading sandbox was lost {self.regrade_attempts + 1} times: the code under test stops it",
+        )
+
+    def _grading_task(self) -> Task:
+        labels = {**self.task.sandbox.labels, **GRADING_LABEL}
+        return dataclasses.replace(self.task, sandbox=dataclasses.replace(self.task.sandbox, labels=labels))
+
+    async def _changes(self, agent_sandbox: Sandbox, fresh: Sandbox, details: dict[str, Any]) -> list[FileChange]:
+        """The agent's non-test changes, after the tamper check and the size limit."""
+        with tempfile.TemporaryDirectory(prefix="patchgym-diff-") as scratch:
+            pristine, agent = Path(scratch) / "pristine", Path(scratch) / "agent"
+            try:
+                downloads = await asyncio.gather(
+                    fresh.download_dir(fresh.workdir, pristine),
+                    self._download_agent(agent_sandbox, agent),
+                    return_exceptions=True,  # both finish before the folder goes
+                )
+                for outcome in downloads:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                changes = await asyncio.to_thread(tree_changes, pristine, agent, self.inner.is_test_path)
+            finally:
+                await asyncio.to_thread(remove_tree, Path(scratch))
+        size = sum(len(change.new or b"") for change in changes)
+        details.update(diff_files=len(changes), diff_bytes=size)
+        if size > self.max_diff_bytes:
+            raise _Verdict(
+                zero_grade("diff_too_large", message=f"{size} bytes changed (max_diff_bytes {self.max_diff_bytes})")
+            )
+        if self.tamper_policy != "off":
+            findings = [finding.as_dict() for finding in tamper_findings(changes)]
+            details["tamper"] = findings
+            if findings and self.tamper_policy == "zero":
+                raise _Verdict(zero_grade("tamper_suspected", {"tamper": findings}, message=findings[0]["what"]))
+        return changes
+
+    async def _download_agent(self, agent_sandbox: Sandbox, folder: Path) -> None:
+        try:
+            await agent_sandbox.download_dir(agent_sandbox.workdir, folder)
+        except InfraError:
+            raise
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"[:500]
+            raise _Verdict(zero_grade("agent_tree_unreadable", message=message)) from None
+
+    @staticmethod
+    async def _apply(fresh: Sandbox, changes: list[FileChange]) -> None:
+        """Delete what the agent deleted (and paths that changed kind), then write files one by one
+        (an archive of the whole tree would also reset the workdir's owner and mode), then make
+        links and set executable bits."""
+        doomed = [change.path for change in changes if change.deleted or change.old is None or change.new_link]
+        if doomed:
+            await _run(fresh, f"rm -rf -- {_quoted(doomed)}")
+        for change in changes:
+            if change.new is not None:
+                await fresh.write_file(change.path, change.new)
+        script = [
+            f"mkdir -p -- {shlex.quote(posixpath.dirname(c.path) or '.')} "
+            f"&& ln -s -- {shlex.quote(c.new_link)} {shlex.quote(c.path)}"
+            for c in changes
+            if c.new_link is not None
+        ]
+        executables = [change.path for change in changes if change.new is not None and change.executable]
+        script += [f"chmod +x -- {_quoted(executables)}"] if executables else []
+        if script:
+            await _run(fresh, " && ".join(script))
+
+
+async def _run(sandbox: Sandbox, command: str) -> None:
+    done = await sandbox.exec(command, timeout_s=120)
+    if not done.ok:
+        raise RuntimeError(f"cannot apply the agent's changes: {done.output[-500:]}")
+
+
+def _quoted(paths: list[str]) -> str:
+    return " ".join(shlex.quote(path) for path in paths)
