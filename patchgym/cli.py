@@ -339,6 +339,7 @@ def model_serve(
 ) -> None:
     """Serve a local model with the embedded engine as an OpenAI-compatible API on 127.0.0.1."""
     from patchgym.backends.inference.openai_server import ChatCompletionsServer, EngineChatHandler
+    from patchgym.process_groups import handle_interrupts
 
     try:
         from transformers import AutoTokenizer
@@ -357,6 +358,7 @@ def model_serve(
             finally:
                 await engine.aclose()
 
+    handle_interrupts()  # Ctrl-C/SIGTERM stop it, also when started with SIGINT ignored
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve())
 

@@ -24,13 +24,18 @@ import httpx
 import pytest
 
 from patchgym.core.inference import Generation, SamplingParams
+from patchgym.process_groups import group_members
 from tests.conftest import require_train_extra
+from tests.processes import ignore_sigint, kill_survivors, tree_groups
 
 pytestmark = pytest.mark.timeout(900)  # the first test pays for building the venv and starting the server
 
 MAX_CONTEXT = 512
 TOLERANCE = 1e-3
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 20, [7, 300, 9, 120, 4, 66, 810, 3]]
+STOP_GRACE_S = 10
+STOP_MARGIN_S = 30
+"""The launcher gets its stop grace (then SIGKILL) plus this much for its own exit on a loaded machine."""
 
 
 def free_port() -> int:
@@ -54,14 +59,19 @@ def require_sglang_venv() -> Path:
 @pytest.fixture(scope="module")
 def sglang_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A server started by `patchgym engine launch sglang --cpu-venv`, the helper under test:
-    it must print the URL once healthy and stop the server (exit 0) on Ctrl-C."""
+    it must print the URL once healthy and, on Ctrl-C, stop the server's whole process group
+    (scheduler and detokenizer too) within its stop grace and exit 0. The launcher starts with
+    SIGINT ignored, as a shell's background job (CI) starts it; whatever is left is killed here."""
     require_sglang_venv()
     port = free_port()
     cli = [sys.executable, "-m", "patchgym.cli", "engine", "launch", "sglang", str(tiny_model_dir), "--cpu-venv"]
     cli += ["--port", str(port), "--context-length", str(MAX_CONTEXT), "--max-total-tokens", "16384"]
     cli += ["--dtype", "float32", "--log-dir", str(tmp_path_factory.mktemp("sglang-logs"))]
-    process = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cli += ["--stop-grace", str(STOP_GRACE_S)]
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    process = subprocess.Popen(cli, **output, start_new_session=True, preexec_fn=ignore_sigint)
     url = f"http://127.0.0.1:{port}"
+    groups = {process.pid}
     try:
         lines: list[str] = []
         while not any(line.startswith("urls=") for line in lines):
@@ -69,15 +79,20 @@ def sglang_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
             assert line, f"the launcher exited before the server was healthy:\n{''.join(lines)}"
             lines.append(line)
         assert lines[-1].strip() == f"urls={url}"
+        groups |= tree_groups(process.pid)
+        assert len(groups) == 2, "the server runs in a process group of its own"
         yield url
+        groups |= tree_groups(process.pid)
         process.send_signal(signal.SIGINT)
-        assert process.wait(60) == 0
+        assert process.wait(STOP_GRACE_S + STOP_MARGIN_S) == 0
+        assert not [pid for group in groups for pid in group_members(group)], "a server process outlived the launcher"
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=5)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+        kill_survivors(groups)
 
 
 @pytest.fixture
