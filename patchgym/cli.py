@@ -249,6 +249,7 @@ def run_pipeline(
     """Run the pipeline: eval base → SFT → eval → GRPO → eval, with checkpoints and metrics."""
     import shutil
 
+    from patchgym.logs import library_output_to
     from patchgym.pipeline.config import load_run_config
     from patchgym.pipeline.run import Pipeline
 
@@ -262,7 +263,8 @@ def run_pipeline(
     else:
         Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, Path(settings.run_dir) / "config.yaml")
-    asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
+    with library_output_to(Path(settings.run_dir)):  # library warnings and logging: RUN_DIR/library.log
+        asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
     console.print(f"events, checkpoints and plots: {escape(settings.run_dir)} (`patchgym report` draws the plots)")
 
 
