@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+from typing import Any
 
-from patchgym.process_groups import group_members, process_table, signal_group
+from patchgym.process_groups import group_members, process_table, signal_group, stop_groups
 
 
 def ignore_sigint() -> None:
@@ -31,3 +33,16 @@ def kill_survivors(groups: set[int]) -> list[int]:
     for group in groups - {os.getpgid(0)}:
         signal_group(group, signal.SIGKILL)
     return survivors
+
+
+def run_group(command: list[str], timeout_s: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run` with output captured, in a session of its own: on a timeout or any error the
+    whole process group is killed (torchrun's ranks too, which a plain `run` leaves orphaned)."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    finally:
+        stop_groups([process], grace_s=0)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

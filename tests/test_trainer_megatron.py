@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ pytest.importorskip("megatron.core")
 from patchgym.backends.trainer.embedded import EmbeddedTrainer  # noqa: E402
 from patchgym.core.batch import TrainBatch  # noqa: E402
 from tests.megatron_recipe import embedded_run  # noqa: E402
+from tests.processes import run_group  # noqa: E402
 from tests.tiny_models import random_samples, tiny_qwen3  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
@@ -60,7 +60,7 @@ def torchrun(model: Path, out: Path, nproc: int, tp: int, pp: int = 1) -> dict:
         str(WORKER), str(model), str(out), str(tp), str(pp),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S, env=env)
+    proc = run_group(command, TORCHRUN_TIMEOUT_S, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
