@@ -25,6 +25,8 @@ def test_warnings_logging_and_child_stderr_reach_the_log_not_the_console(
         os.write(2, b"a C-level message\n")
         subprocess.run([sys.executable, "-c", "import sys; print('a rank process stderr line', file=sys.stderr)"])
         logging.getLogger("patchgym.test").warning("a patchgym warning")
+    with pytest.raises(RuntimeError), library_output_to(tmp_path):
+        raise RuntimeError("the run failed")  # the error that ends a run reaches the console afterwards
     print("after", file=sys.stderr)
     console = capfd.readouterr()
     text = log.read_text()
