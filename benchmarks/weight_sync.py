@@ -154,7 +154,7 @@ def measure(name: str, model: Path, rounds: int, bucket_bytes: int, work: Path) 
     weights = load_file(model / "model.safetensors")
     row: dict[str, Any] = {"model": name, "params": sum(t.numel() for t in weights.values())}
     row["bytes"] = state_bytes(weights)
-    console.print(f"[{name}] raw gloo broadcast", highlight=False)
+    console.print(f"{name}: raw gloo broadcast", highlight=False)
     row["raw"] = raw_broadcast(model, rounds)
 
     checkpoint = work / f"{name}-checkpoint"  # config and tokenizer once; each round writes the weights
@@ -171,14 +171,14 @@ def measure(name: str, model: Path, rounds: int, bucket_bytes: int, work: Path) 
             row["disk_save"].append(time.perf_counter() - started)
             await engine.update_weights(checkpoint, version=version)
 
-        console.print(f"[{name}] distributed into SGLang", highlight=False)
+        console.print(f"{name}: distributed into SGLang", highlight=False)
         row["distributed"] = timed(rounds, weights, distributed)
-        console.print(f"[{name}] disk: safetensors + SGLang update_weights_from_disk", highlight=False)
+        console.print(f"{name}: disk: safetensors + SGLang update_weights_from_disk", highlight=False)
         row["disk_save"] = []
         row["disk"] = timed(rounds, weights, disk)
         asyncio.run(engine.aclose())
 
-    console.print(f"[{name}] tensor: state dict into the embedded engine", highlight=False)
+    console.print(f"{name}: tensor: state dict into the embedded engine", highlight=False)
     embedded = EmbeddedEngine(model, max_context=256)
 
     async def tensor(fresh: dict, version: int) -> None:
