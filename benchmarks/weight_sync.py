@@ -119,12 +119,13 @@ def raw_broadcast(model: Path, rounds: int) -> list[float]:
 
 
 # -- the three ways ---------------------------------------------------------------------------
-def timed(rounds: int, weights: dict[str, torch.Tensor], once: Callable[[dict, int], Any]) -> list[float]:
+async def timed(rounds: int, weights: dict[str, torch.Tensor], once: Callable[[dict, int], Any]) -> list[float]:
+    """Seconds of `rounds` calls of `once(weights + noise, version)` (the noise is made outside the timing)."""
     seconds = []
     for index in range(rounds):
         fresh = noisy(weights, index)
         started = time.perf_counter()
-        asyncio.run(once(fresh, index + 1))
+        await once(fresh, index + 1)
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -160,33 +161,46 @@ def measure(name: str, model: Path, rounds: int, bucket_bytes: int, work: Path) 
     checkpoint = work / f"{name}-checkpoint"  # config and tokenizer once; each round writes the weights
     shutil.copytree(model, checkpoint)
     with sglang_server(model, work / f"{name}-logs") as url:
-        engine = SGLangEngine(url, max_context=256, weight_bucket_bytes=bucket_bytes)
-
-        async def distributed(fresh: dict, version: int) -> None:
-            await engine.update_weights(DistributedWeights(fresh, master_port=free_port()), version=version)
-
-        async def disk(fresh: dict, version: int) -> None:
-            started = time.perf_counter()
-            save_file(fresh, checkpoint / "model.safetensors")
-            row["disk_save"].append(time.perf_counter() - started)
-            await engine.update_weights(checkpoint, version=version)
-
-        console.print(f"{name}: distributed into SGLang", highlight=False)
-        row["distributed"] = timed(rounds, weights, distributed)
-        console.print(f"{name}: disk: safetensors + SGLang update_weights_from_disk", highlight=False)
-        row["disk_save"] = []
-        row["disk"] = timed(rounds, weights, disk)
-        asyncio.run(engine.aclose())
-
+        asyncio.run(into_sglang(url, weights, checkpoint, rounds, bucket_bytes, row))
     console.print(f"{name}: tensor: state dict into the embedded engine", highlight=False)
-    embedded = EmbeddedEngine(model, max_context=256)
+    asyncio.run(into_embedded(model, weights, rounds, row))
+    return row
+
+
+async def into_sglang(
+    url: str, weights: dict, checkpoint: Path, rounds: int, bucket_bytes: int, row: dict[str, Any]
+) -> None:
+    engine = SGLangEngine(url, max_context=256, weight_bucket_bytes=bucket_bytes)
+
+    async def distributed(fresh: dict, version: int) -> None:
+        await engine.update_weights(DistributedWeights(fresh, master_port=free_port()), version=version)
+
+    async def disk(fresh: dict, version: int) -> None:
+        started = time.perf_counter()
+        save_file(fresh, checkpoint / "model.safetensors")
+        row["disk_save"].append(time.perf_counter() - started)
+        await engine.update_weights(checkpoint, version=version)
+
+    try:
+        console.print(f"{row['model']}: distributed into SGLang", highlight=False)
+        row["distributed"] = await timed(rounds, weights, distributed)
+        console.print(f"{row['model']}: disk: safetensors + SGLang update_weights_from_disk", highlight=False)
+        row["disk_save"] = []
+        row["disk"] = await timed(rounds, weights, disk)
+    finally:
+        await engine.aclose()
+
+
+async def into_embedded(model: Path, weights: dict, rounds: int, row: dict[str, Any]) -> None:
+    engine = EmbeddedEngine(model, max_context=256)
 
     async def tensor(fresh: dict, version: int) -> None:
-        await embedded.update_weights(fresh, version=version)
+        await engine.update_weights(fresh, version=version)
 
-    row["tensor"] = timed(rounds, weights, tensor)
-    asyncio.run(embedded.aclose())
-    return row
+    try:
+        row["tensor"] = await timed(rounds, weights, tensor)
+    finally:
+        await engine.aclose()
 
 
 def report(rows: list[dict[str, Any]]) -> None:
