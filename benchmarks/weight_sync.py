@@ -45,6 +45,7 @@ from patchgym.backends.inference.sglang import DistributedWeights, SGLangEngine
 from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, launch_sglang, stop_servers
 from patchgym.backends.inference.sglang_venv import build_sglang_venv, stubs_path, venv_python
 from patchgym.models.tiny import init_tiny_model
+from patchgym.process_groups import handle_interrupts
 
 console = Console()
 MODELS: dict[str, dict[str, Any]] = {
@@ -240,6 +241,7 @@ def main() -> None:
     if args.raw_rank is not None:
         raw_rank(args.raw_rank, args.port, args.model_dir, args.rounds)
         return
+    handle_interrupts()  # Ctrl-C or SIGTERM (e.g. `timeout`) still stops the SGLang server
     rows = []
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
         work = Path(tmp)
