@@ -249,6 +249,7 @@ def run_pipeline(
     """Run the pipeline: eval base → SFT → eval → GRPO → eval, with checkpoints and metrics."""
     import shutil
 
+    from patchgym.logs import library_output_to
     from patchgym.pipeline.config import load_run_config
     from patchgym.pipeline.run import Pipeline
 
@@ -262,7 +263,8 @@ def run_pipeline(
     else:
         Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, Path(settings.run_dir) / "config.yaml")
-    asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
+    with library_output_to(Path(settings.run_dir)):  # library warnings and logging: RUN_DIR/library.log
+        asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
     console.print(f"events, checkpoints and plots: {escape(settings.run_dir)} (`patchgym report` draws the plots)")
 
 
@@ -339,6 +341,7 @@ def model_serve(
 ) -> None:
     """Serve a local model with the embedded engine as an OpenAI-compatible API on 127.0.0.1."""
     from patchgym.backends.inference.openai_server import ChatCompletionsServer, EngineChatHandler
+    from patchgym.process_groups import handle_interrupts
 
     try:
         from transformers import AutoTokenizer
@@ -357,6 +360,7 @@ def model_serve(
             finally:
                 await engine.aclose()
 
+    handle_interrupts()  # Ctrl-C/SIGTERM stop it, also when started with SIGINT ignored
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve())
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 from typing import Annotated
@@ -12,15 +11,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from patchgym.core.errors import PatchgymError
+from patchgym.process_groups import handle_interrupts
 
 engine_app = typer.Typer(help="Start inference engines.", no_args_is_help=True)
 launch_app = typer.Typer(help="Launch engine servers and wait until they are healthy.", no_args_is_help=True)
 engine_app.add_typer(launch_app, name="launch")
 console = Console()
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 @launch_app.command("sglang")
@@ -43,10 +39,17 @@ def launch_sglang_cmd(
     dtype: Annotated[str, typer.Option(help="weights/activations dtype (auto, float32, bfloat16, ...)")] = "auto",
     log_dir: Annotated[Path, typer.Option(help="where server logs go")] = Path("sglang-logs"),
     health_timeout: Annotated[float, typer.Option(help="seconds to wait for /health")] = 600.0,
+    stop_grace: Annotated[
+        float, typer.Option(min=0.0, help="on Ctrl-C/SIGTERM: seconds for the servers to exit before SIGKILL")
+    ] = 10.0,
+    sleep_on_idle: Annotated[
+        bool | None, typer.Option(help="SGLang --sleep-on-idle (default: on for CPU, off for GPU)")
+    ] = None,
 ) -> None:
     """Start SGLang servers with the recommended flags, print their URLs, and keep them running until Ctrl-C."""
     from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, launch_sglang, stop_servers
 
+    handle_interrupts()  # also when started with SIGINT ignored (a shell's background job)
     try:
         stubs = None
         if cpu_venv:
@@ -67,6 +70,8 @@ def launch_sglang_cmd(
             dtype=dtype,
             stubs_dir=stubs,
             health_timeout_s=health_timeout,
+            stop_grace_s=stop_grace,
+            sleep_on_idle=sleep_on_idle,
         )
         with console.status("starting SGLang and waiting for /health"):
             servers = launch_sglang(settings, log_dir)
@@ -76,7 +81,6 @@ def launch_sglang_cmd(
     for server in servers:
         console.print(f"[green]healthy[/green] {server.url}  (log {server.log_path})", highlight=False)
     console.print("urls=" + ",".join(s.url for s in servers), highlight=False)
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while all(server.process.poll() is None for server in servers):
             time.sleep(1)
@@ -86,4 +90,4 @@ def launch_sglang_cmd(
     except KeyboardInterrupt:
         pass
     finally:
-        stop_servers(servers)
+        stop_servers(servers, settings.stop_grace_s)

@@ -19,23 +19,21 @@ warnings.filterwarnings("ignore")
 from patchgym.backends.trainer.megatron import MegatronTrainer  # noqa: E402
 from patchgym.core.batch import TrainBatch  # noqa: E402
 from patchgym.core.losses import GRPOLoss, SFTLoss  # noqa: E402
+from tests.megatron_recipe import GRPO_STEPS, LR, MICRO_BATCH_TOKENS, SFT_STEPS, grpo_batch, sft_batch  # noqa: E402
 from tests.tiny_models import random_samples  # noqa: E402
-
-STEPS = 4
 
 
 async def drive(trainer: MegatronTrainer, out: Path) -> None:
-    sft = TrainBatch(random_samples(8, seed=21, advantages=False))
-    grpo = TrainBatch(random_samples(8, seed=22))
+    sft, grpo = sft_batch(), grpo_batch()
     result = {"settings": trainer.settings(), "logprobs": await trainer.logprobs(grpo), "sft": [], "grpo": []}
     result["logprobs_t07"] = await trainer.logprobs(TrainBatch(grpo.samples, temperature=0.7))
-    for _ in range(STEPS):
+    for _ in range(SFT_STEPS):
         result["sft"].append(await trainer.train_step(sft, SFTLoss()))
     await trainer.save(out / "ckpt")
-    for _ in range(2):
+    for _ in range(GRPO_STEPS):
         result["grpo"].append(await trainer.train_step(grpo, GRPOLoss()))
     await trainer.load(out / "ckpt")  # resume: the same steps again must give the same numbers
-    result["grpo_resumed"] = [await trainer.train_step(grpo, GRPOLoss()) for _ in range(2)]
+    result["grpo_resumed"] = [await trainer.train_step(grpo, GRPOLoss()) for _ in range(GRPO_STEPS)]
     await trainer.weights(export_to=out / "hf")
     before = (await trainer.weights()).state_dict
     no_signal = TrainBatch(random_samples(8, seed=23, advantages=False))
@@ -54,7 +52,7 @@ async def drive(trainer: MegatronTrainer, out: Path) -> None:
 
 def main() -> None:
     model, out, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    trainer = MegatronTrainer(model, tp=tp, pp=pp, lr=3e-3, micro_batch_tokens=96)
+    trainer = MegatronTrainer(model, tp=tp, pp=pp, lr=LR, micro_batch_tokens=MICRO_BATCH_TOKENS)
     if trainer.rank == 0:
         asyncio.run(drive(trainer, out))
     else:

@@ -20,6 +20,7 @@ from patchgym.core.errors import ConfigError, TransportError
 from patchgym.core.plugins import registry
 from patchgym.core.validation import apply_patch_command
 from patchgym.envs.chat_eval import evaluate
+from tests.processes import ignore_sigint, kill_survivors
 
 TASKS = registry().create("task_set", "tiny")
 HELLO = [{"role": "user", "content": "hello"}]
@@ -171,29 +172,24 @@ def test_cli_eval(threaded_gold_server: str, tmp_path: Path) -> None:
 
 
 async def test_cli_model_serve(tiny_model_dir: Path) -> None:
-    """`patchgym model serve` answers chat completions until interrupted."""
+    """`patchgym model serve` answers chat completions until interrupted; Ctrl-C stops it even when it
+    was started with SIGINT ignored (as a shell's background job, CI, starts it)."""
     import os
     import re
     import signal
     import sys
 
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "patchgym.cli",
-        "model",
-        "serve",
-        str(tiny_model_dir),
-        "--port",
-        "0",
-        "--max-context",
-        "512",
+        *[sys.executable, "-m", "patchgym.cli", "model", "serve", str(tiny_model_dir)],
+        *["--port", "0", "--max-context", "512"],
         stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "COLUMNS": "300"},
+        start_new_session=True,
+        preexec_fn=ignore_sigint,
     )
     try:
         assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), timeout=120)).decode()
+        line = (await process.stdout.readline()).decode()  # the test's own timeout bounds the start
         url = re.search(r"http://127\.0\.0\.1:\d+/v1", line)
         assert url, line
         model = OpenAIChatModel(url.group(0), max_tokens=5)
@@ -201,6 +197,11 @@ async def test_cli_model_serve(tiny_model_dir: Path) -> None:
         await model.aclose()
         assert model.model == tiny_model_dir.name and reply.completion_tokens is not None
         assert reply.completion_tokens <= 5
-    finally:
         process.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(process.wait(), timeout=30) == 0
+        assert await process.wait() == 0  # bounded by the test's timeout; a hang fails, never passes
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        survivors = kill_survivors({process.pid})
+    assert not survivors, "a process of the server outlived it"

@@ -10,13 +10,16 @@ weights, before and after each of the three weight-update routes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +27,21 @@ import httpx
 import pytest
 
 from patchgym.core.inference import Generation, SamplingParams
+from patchgym.process_groups import group_members
 from tests.conftest import require_train_extra
+from tests.processes import ignore_sigint, kill_survivors, run_group, tree_groups
 
 pytestmark = pytest.mark.timeout(900)  # the first test pays for building the venv and starting the server
 
 MAX_CONTEXT = 512
 TOLERANCE = 1e-3
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 20, [7, 300, 9, 120, 4, 66, 810, 3]]
+STOP_GRACE_S = 10
+STOP_MARGIN_S = 30
+"""The launcher gets its stop grace (then SIGKILL) plus this much for its own exit on a loaded machine."""
+IDLE_WINDOW_S, IDLE_CPU_SHARE = 5.0, 0.05
+"""An idle server uses under this share of one core. Measured at load average 43 on 2 cores: 0.015 with
+--sleep-on-idle, 0.14-0.17 without (its scheduler polls; about a whole core on an idle machine)."""
 
 
 def free_port() -> int:
@@ -51,17 +62,29 @@ def require_sglang_venv() -> Path:
         pytest.skip(f"cannot build the SGLang venv here ({type(exc).__name__}: {exc})")
 
 
+@dataclass
+class Launched:
+    url: str
+    groups: set[int]
+    """The launcher's process group and the server's."""
+
+
 @pytest.fixture(scope="module")
-def sglang_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def launched(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
     """A server started by `patchgym engine launch sglang --cpu-venv`, the helper under test:
-    it must print the URL once healthy and stop the server (exit 0) on Ctrl-C."""
+    it must print the URL once healthy and, on Ctrl-C, stop the server's whole process group
+    (scheduler and detokenizer too) within its stop grace and exit 0. The launcher starts with
+    SIGINT ignored, as a shell's background job (CI) starts it; whatever is left is killed here."""
     require_sglang_venv()
     port = free_port()
     cli = [sys.executable, "-m", "patchgym.cli", "engine", "launch", "sglang", str(tiny_model_dir), "--cpu-venv"]
     cli += ["--port", str(port), "--context-length", str(MAX_CONTEXT), "--max-total-tokens", "16384"]
     cli += ["--dtype", "float32", "--log-dir", str(tmp_path_factory.mktemp("sglang-logs"))]
-    process = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cli += ["--stop-grace", str(STOP_GRACE_S)]
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    process = subprocess.Popen(cli, **output, start_new_session=True, preexec_fn=ignore_sigint)
     url = f"http://127.0.0.1:{port}"
+    groups = {process.pid}
     try:
         lines: list[str] = []
         while not any(line.startswith("urls=") for line in lines):
@@ -69,15 +92,25 @@ def sglang_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
             assert line, f"the launcher exited before the server was healthy:\n{''.join(lines)}"
             lines.append(line)
         assert lines[-1].strip() == f"urls={url}"
-        yield url
+        groups |= tree_groups(process.pid)
+        assert len(groups) == 2, "the server runs in a process group of its own"
+        yield Launched(url, groups)
+        groups |= tree_groups(process.pid)
         process.send_signal(signal.SIGINT)
-        assert process.wait(60) == 0
+        assert process.wait(STOP_GRACE_S + STOP_MARGIN_S) == 0
+        assert not [pid for group in groups for pid in group_members(group)], "a server process outlived the launcher"
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=5)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+        kill_survivors(groups)
+
+
+@pytest.fixture(scope="module")
+def sglang_url(launched: Launched) -> str:
+    return launched.url
 
 
 @pytest.fixture
@@ -146,6 +179,25 @@ def model_with(model_dir: Path, weights: Mapping[str, Any], out: Path) -> Any:
 async def sample_all(engine: Any, max_new_tokens: int = 24) -> list[Generation]:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=3)
     return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+
+
+# -- idle ------------------------------------------------------------------------------------------
+def cpu_seconds(groups: set[int]) -> float:
+    """User + system CPU time of every live process in `groups`."""
+    ticks = 0
+    for pid in (pid for group in groups for pid in group_members(group)):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            ticks += sum(int(field) for field in stat[stat.rindex(")") + 2 :].split()[11:13])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_server_does_not_spin(launched: Launched) -> None:
+    """With --sleep-on-idle the scheduler blocks on its sockets; without it, it polls and takes a core."""
+    started, used = time.monotonic(), cpu_seconds(launched.groups)
+    time.sleep(IDLE_WINDOW_S)
+    used = cpu_seconds(launched.groups) - used
+    assert used < IDLE_CPU_SHARE * (time.monotonic() - started), f"{used:.2f} CPU seconds while idle"
 
 
 # -- generation --------------------------------------------------------------------------------
@@ -333,9 +385,8 @@ async def test_megatron_tp2_weights_reach_sglang_by_bucketed_broadcast(
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
     command += [f"--master_port={free_port()}", str(worker), str(tiny_model_dir), engine.urls[0], str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = await asyncio.create_subprocess_exec(*command, env=env, stderr=asyncio.subprocess.PIPE)
-    _, stderr = await asyncio.wait_for(proc.communicate(), timeout=600)
-    assert proc.returncode == 0, stderr.decode()[-4000:]
+    proc = await asyncio.to_thread(run_group, command, 600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     await check_weights(engine, load_model(tmp_path / "hf"), 6, before)
 
 

@@ -5,13 +5,16 @@ One engine per GPU (pinned with `--base-gpu-id`), a hard context cap (`context_l
 a memory fraction for the KV cache. On CPU (`device="cpu"`) the flags that work without
 CUDA kernels: `--device cpu --attention-backend torch_native --disable-cuda-graph` and a
 `--max-total-tokens` bound on the KV pool (otherwise it takes most of the RAM), with the
-stub modules of a venv from `sglang_venv` on PYTHONPATH.
+stub modules of a venv from `sglang_venv` on PYTHONPATH, and `--sleep-on-idle` (an idle
+scheduler otherwise polls its sockets and keeps a core busy).
+
+Each server leads its own process group (its scheduler and detokenizer are in it), and
+`stop_servers` stops the whole group: SIGTERM, then SIGKILL after `stop_grace_s`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -21,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from patchgym.core.errors import ConfigError, SandboxStartError, TransportError
+from patchgym.process_groups import stop_groups
 
 SERVER_CONTEXT_HEADROOM = 8
 """SGLang admits a prompt only if it is shorter than its context length minus 6 (reserved
@@ -52,6 +56,10 @@ class SGLangLaunchSettings:
     stubs_dir: Path | None = None
     extra_args: Sequence[str] = ()
     health_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+    """Seconds a stopped server's process group gets to exit after SIGTERM before SIGKILL."""
+    sleep_on_idle: bool | None = None
+    """`--sleep-on-idle`: block on the sockets when there is no work; None = on for CPU, off for GPU."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -62,6 +70,8 @@ class SGLangLaunchSettings:
             raise ConfigError("on CPU set max_total_tokens (the KV pool otherwise takes most of the RAM)")
         if not self.gpus:
             raise ConfigError("gpus must name at least one device (use (0,) on CPU)")
+        if self.stop_grace_s < 0:
+            raise ConfigError(f"stop_grace_s must be >= 0, not {self.stop_grace_s}")
 
 
 @dataclass
@@ -99,6 +109,8 @@ def server_command(settings: SGLangLaunchSettings, index: int) -> list[str]:
         cmd += ["--max-total-tokens", str(s.max_total_tokens)]
     if s.max_running_requests is not None:
         cmd += ["--max-running-requests", str(s.max_running_requests)]
+    if s.sleep_on_idle if s.sleep_on_idle is not None else s.device == "cpu":
+        cmd += ["--sleep-on-idle"]
     return cmd + list(s.extra_args)
 
 
@@ -129,7 +141,7 @@ def launch_sglang(settings: SGLangLaunchSettings, log_dir: Path) -> list[SGLangS
         for server in servers:
             wait_healthy(server, settings.health_timeout_s)
     except BaseException:
-        stop_servers(servers)
+        stop_servers(servers, settings.stop_grace_s)
         raise
     return servers
 
@@ -150,14 +162,6 @@ def wait_healthy(server: SGLangServer, timeout_s: float) -> None:
     raise TransportError(f"SGLang server {server.url} not healthy after {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
-def stop_servers(servers: Sequence[SGLangServer], grace_s: float = 15.0) -> None:
-    """SIGTERM each server's process group, SIGKILL what is left after `grace_s`."""
-    for server in servers:
-        if server.process.poll() is None:
-            os.killpg(server.process.pid, signal.SIGTERM)
-    for server in servers:
-        try:
-            server.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
-            server.process.wait()
+def stop_servers(servers: Sequence[SGLangServer], grace_s: float = SGLangLaunchSettings.stop_grace_s) -> None:
+    """SIGTERM each server's process group, SIGKILL what is left of them after `grace_s` (all at once)."""
+    stop_groups([server.process for server in servers], grace_s)

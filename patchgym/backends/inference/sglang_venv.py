@@ -6,18 +6,26 @@ minus the CUDA-only ones, on top of the CPU torch, and writes two stub modules f
 CPU path imports at module level but never calls (`torchvision`, `sgl_kernel`). The stubs
 live in their own folder, put on PYTHONPATH only when a server is launched on CPU.
 
+The venv is cached under a key of the pinned versions, the Python version and this recipe (the
+excluded requirements, the stubs and the source of the build steps): it is rebuilt only when
+the key changes, or when forced with `--fresh`. Concurrent builders of one key take turns on a
+lock file, so the second one reuses the first one's venv.
+
 Run it as `python -m patchgym.backends.inference.sglang_venv [--fresh] [PATH]`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
+import inspect
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from patchgym.core.errors import BuildError
@@ -104,12 +112,16 @@ def __getattr__(attr):
 '''
 
 
+def recipe_key() -> str:
+    """A hash of what the venv is built from: pinned versions, Python version, exclusions, stubs, build steps."""
+    recipe = f"{SGLANG_VERSION}|{TORCH_VERSION}|{EXCLUDED_PREFIXES}|{STUB_SOURCE}|{sys.version_info[:2]}|{BUILD_STEPS}"
+    return hashlib.sha256(recipe.encode()).hexdigest()[:10]
+
+
 def default_venv_path() -> Path:
-    """`~/.cache/patchgym/sglang-venv-<key>`, keyed by the pinned versions and this recipe."""
-    recipe = f"{SGLANG_VERSION}|{TORCH_VERSION}|{EXCLUDED_PREFIXES}|{STUB_SOURCE}|{sys.version_info[:2]}"
-    key = hashlib.sha256(recipe.encode()).hexdigest()[:10]
+    """`~/.cache/patchgym/sglang-<version>-venv-<recipe key>`."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "patchgym" / f"sglang-{SGLANG_VERSION}-venv-{key}"
+    return cache / "patchgym" / f"sglang-{SGLANG_VERSION}-venv-{recipe_key()}"
 
 
 def venv_python(venv: Path) -> Path:
@@ -121,7 +133,9 @@ def stubs_path(venv: Path) -> Path:
 
 
 def is_ready(venv: Path) -> bool:
-    return (venv / READY_MARKER).is_file() and venv_python(venv).exists()
+    """Built to the end by this recipe (the marker holds the recipe key)."""
+    marker = venv / READY_MARKER
+    return marker.is_file() and marker.read_text().startswith(recipe_key()) and venv_python(venv).exists()
 
 
 def cpu_requirements(metadata_dir: Path) -> list[str]:
@@ -160,14 +174,25 @@ def _pip(python: Path, *args: str, log: Path) -> None:
         raise BuildError(f"building the SGLang venv failed: {' '.join(args[:3])}... (log {log}):\n{tail}")
 
 
-def build_sglang_venv(venv: Path | None = None, *, fresh: bool = False, progress=print) -> Path:
+def build_sglang_venv(
+    venv: Path | None = None, *, fresh: bool = False, progress: Callable[[str], object] = print
+) -> Path:
     """Create (or reuse, unless `fresh`) the CPU SGLang venv at `venv`; returns its path."""
     venv = Path(venv) if venv is not None else default_venv_path()
     if is_ready(venv) and not fresh:
         return venv
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with (venv.parent / f"{venv.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then reuse its venv
+        if fresh or not is_ready(venv):
+            _build(venv, progress)
+    return venv
+
+
+def _build(venv: Path, progress: Callable[[str], object]) -> None:
+    """Build the venv at `venv` from scratch; the ready marker, written last, records the recipe key."""
     if venv.exists():
         shutil.rmtree(venv)
-    venv.parent.mkdir(parents=True, exist_ok=True)
     log = venv.parent / f"{venv.name}.log"
     log.write_text("")
     started = time.monotonic()
@@ -196,9 +221,12 @@ def build_sglang_venv(venv: Path | None = None, *, fresh: bool = False, progress
     )
     if check.returncode != 0:
         raise BuildError(f"the SGLang venv at {venv} cannot import sglang:\n{check.stderr[-2000:]}")
-    (venv / READY_MARKER).write_text(check.stdout)
+    (venv / READY_MARKER).write_text(f"{recipe_key()} {check.stdout}")
     progress(f"SGLang venv ready in {time.monotonic() - started:.0f} s: {check.stdout.strip()}")
-    return venv
+
+
+BUILD_STEPS = "".join(inspect.getsource(f) for f in (_build, cpu_requirements, write_stubs, _pip))
+"""The source of the build steps, part of the recipe key: changing how the venv is built makes a new one."""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,255 @@
+"""Weight sync, the three ways a trainer hands weights to an engine, beside a raw gloo broadcast, in one run.
+
+For each model (the tiny model and a ~100M-parameter Qwen3 with the same tokenizer) it times:
+- raw: a gloo broadcast of the same tensors, in the same order, from one process to another on
+  127.0.0.1 (group formed beforehand; each round ends when the receiver acknowledges): the rate
+  the network path allows;
+- distributed: `SGLangEngine.update_weights(DistributedWeights(...))` into a real CPU SGLang
+  server (patchgym's CPU SGLang venv): group rendezvous, bucketed broadcast, the engine loading
+  the buckets, version and cache flush, group teardown; the whole call;
+- tensor: `EmbeddedEngine.update_weights(state_dict)`, the in-memory hand-off of the embedded stack;
+- disk: `save_file` of the state dict as safetensors, then SGLang's `/update_weights_from_disk`.
+Each runs `--rounds` times with fresh weights (the model's plus noise); medians are reported, as
+seconds and GB/s of the fp32 state dict, with each way's rate as a ratio of the raw broadcast's.
+
+    nice python benchmarks/weight_sync.py [--rounds 3] [--models tiny,100m] [--bucket-mb 512]
+
+Target: distributed >= 0.5x the raw broadcast's rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from safetensors.torch import load_file, save_file
+
+from patchgym.backends.inference.embedded import EmbeddedEngine
+from patchgym.backends.inference.sglang import DistributedWeights, SGLangEngine
+from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, launch_sglang, stop_servers
+from patchgym.backends.inference.sglang_venv import build_sglang_venv, stubs_path, venv_python
+from patchgym.models.tiny import init_tiny_model
+from patchgym.process_groups import handle_interrupts
+
+console = Console()
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "100m": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+    },
+}
+"""Overrides of the tiny model's Qwen3 config (patchgym.models.tiny); 100m: 104M parameters."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def state_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def noisy(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: t + 1e-3 * torch.randn(t.shape, generator=generator) for name, t in tensors.items()}
+
+
+# -- raw: two processes, rank 0 broadcasts, rank 1 receives -------------------------------------
+def raw_rank(rank: int, port: int, model: Path, rounds: int) -> None:
+    """One end of the raw broadcast (run as a subprocess); rank 0 prints each round's seconds as JSON."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tensors = load_file(model / "model.safetensors")
+    buffers = list(tensors.values()) if rank == 0 else [torch.empty_like(t) for t in tensors.values()]
+    ack = torch.zeros(1)
+    seconds = []
+    dist.barrier()
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for tensor in buffers:
+            dist.broadcast(tensor, src=0)
+        dist.broadcast(ack, src=1)  # the round ends when the receiver has everything
+        seconds.append(time.perf_counter() - started)
+    if rank == 0:
+        print(json.dumps(seconds), flush=True)
+    dist.destroy_process_group()
+
+
+def raw_broadcast(model: Path, rounds: int) -> list[float]:
+    port = free_port()
+    command = [sys.executable, __file__, "--raw-rank", "{rank}", "--port", str(port), "--model-dir", str(model)]
+    command += ["--rounds", str(rounds)]
+    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    ranks = [
+        subprocess.Popen(
+            [part.format(rank=rank) for part in command],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in ranks]
+    if any(p.returncode for p in ranks):
+        raise RuntimeError(f"the raw broadcast failed: {outputs}")
+    return json.loads(outputs[0])
+
+
+# -- the three ways ---------------------------------------------------------------------------
+async def timed(rounds: int, weights: dict[str, torch.Tensor], once: Callable[[dict, int], Any]) -> list[float]:
+    """Seconds of `rounds` calls of `once(weights + noise, version)` (the noise is made outside the timing)."""
+    seconds = []
+    for index in range(rounds):
+        fresh = noisy(weights, index)
+        started = time.perf_counter()
+        await once(fresh, index + 1)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+@contextmanager
+def sglang_server(model: Path, logs: Path) -> Iterator[str]:
+    venv = build_sglang_venv(progress=lambda m: console.print(m, highlight=False))
+    settings = SGLangLaunchSettings(
+        model_path=model,
+        python=venv_python(venv),
+        base_port=free_port(),
+        device="cpu",
+        context_length=512,
+        max_total_tokens=4096,
+        mem_fraction_static=None,
+        dtype="float32",
+        stubs_dir=stubs_path(venv),
+    )
+    servers = launch_sglang(settings, logs)
+    try:
+        yield servers[0].url
+    finally:
+        stop_servers(servers, settings.stop_grace_s)
+
+
+def measure(name: str, model: Path, rounds: int, bucket_bytes: int, work: Path) -> dict[str, Any]:
+    weights = load_file(model / "model.safetensors")
+    row: dict[str, Any] = {"model": name, "params": sum(t.numel() for t in weights.values())}
+    row["bytes"] = state_bytes(weights)
+    console.print(f"{name}: raw gloo broadcast", highlight=False)
+    row["raw"] = raw_broadcast(model, rounds)
+
+    checkpoint = work / f"{name}-checkpoint"  # config and tokenizer once; each round writes the weights
+    shutil.copytree(model, checkpoint)
+    with sglang_server(model, work / f"{name}-logs") as url:
+        asyncio.run(into_sglang(url, weights, checkpoint, rounds, bucket_bytes, row))
+    console.print(f"{name}: tensor: state dict into the embedded engine", highlight=False)
+    asyncio.run(into_embedded(model, weights, rounds, row))
+    return row
+
+
+async def into_sglang(
+    url: str, weights: dict, checkpoint: Path, rounds: int, bucket_bytes: int, row: dict[str, Any]
+) -> None:
+    engine = SGLangEngine(url, max_context=256, weight_bucket_bytes=bucket_bytes)
+
+    async def distributed(fresh: dict, version: int) -> None:
+        await engine.update_weights(DistributedWeights(fresh, master_port=free_port()), version=version)
+
+    async def disk(fresh: dict, version: int) -> None:
+        started = time.perf_counter()
+        save_file(fresh, checkpoint / "model.safetensors")
+        row["disk_save"].append(time.perf_counter() - started)
+        await engine.update_weights(checkpoint, version=version)
+
+    try:
+        console.print(f"{row['model']}: distributed into SGLang", highlight=False)
+        row["distributed"] = await timed(rounds, weights, distributed)
+        console.print(f"{row['model']}: disk: safetensors + SGLang update_weights_from_disk", highlight=False)
+        row["disk_save"] = []
+        row["disk"] = await timed(rounds, weights, disk)
+    finally:
+        await engine.aclose()
+
+
+async def into_embedded(model: Path, weights: dict, rounds: int, row: dict[str, Any]) -> None:
+    engine = EmbeddedEngine(model, max_context=256)
+
+    async def tensor(fresh: dict, version: int) -> None:
+        await engine.update_weights(fresh, version=version)
+
+    try:
+        row["tensor"] = await timed(rounds, weights, tensor)
+    finally:
+        await engine.aclose()
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="weight sync: medians (GB/s of the fp32 state dict; x = rate / raw broadcast rate)")
+    for column in ("model", "params", "MB", "raw", "distributed", "tensor", "disk (save + load)"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        gb = row["bytes"] / 1e9
+        raw = statistics.median(row["raw"])
+
+        def cell(key: str, raw: float = raw, gb: float = gb, row: dict = row) -> str:
+            s = statistics.median(row[key])
+            return f"{s:.3f} s, {gb / s:.2f} GB/s, {raw / s:.2f}x"
+
+        disk = cell("disk") + f" (save {statistics.median(row['disk_save']):.3f} s)"
+        params = f"{row['params'] / 1e6:.1f}M"
+        raw_cell = f"{raw:.3f} s, {gb / raw:.2f} GB/s"
+        table.add_row(
+            row["model"], params, f"{row['bytes'] / 1e6:.0f}", raw_cell, cell("distributed"), cell("tensor"), disk
+        )
+    console.print(table)
+    for row in rows:
+        ratio = statistics.median(row["raw"]) / statistics.median(row["distributed"])
+        verdict = "meets" if ratio >= 0.5 else "misses"
+        console.print(f"{row['model']}: distributed at {ratio:.2f}x the raw broadcast's rate ({verdict} >= 0.5x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="tiny,100m", help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="SGLangEngine weight_bucket_bytes, in MiB")
+    parser.add_argument("--raw-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw_rank is not None:
+        raw_rank(args.raw_rank, args.port, args.model_dir, args.rounds)
+        return
+    handle_interrupts()  # Ctrl-C or SIGTERM (e.g. `timeout`) still stops the SGLang server
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
+        work = Path(tmp)
+        for name in args.models.split(","):
+            model = init_tiny_model(work / name, **MODELS[name])
+            rows.append(measure(name, model, args.rounds, args.bucket_mb << 20, work))
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()
