@@ -295,13 +295,13 @@ class ExecChannel:
         state = (await self._call(self._api.inspect_container, self._container_id))["State"]
         if not state.get("Running"):
             return SandboxLostError(f"the container stopped ({state.get('Status')}) while a command ran")
-        running = (await self._call(self._api.exec_inspect, server.exec_id))["Running"]
-        if not running:
+        run = await self._call(self._api.exec_inspect, server.exec_id)
+        if not run["Running"] and (run["ExitCode"] or 0) >= 128:  # killed by a signal from inside
             self.restarts += 1
             return None
-        # the stream broke under a live server: stop it, so its commands do not run on unseen
-        with contextlib.suppress(InfraError):
-            await self._call(self._kill_server, server.pid)
+        if run["Running"]:  # the stream broke under a live server: stop it, so its commands do not run unseen
+            with contextlib.suppress(InfraError):
+                await self._call(self._kill_server, server.pid)
         tail = server.diagnostics.decode(errors="replace").strip()
         return TransportError(f"the exec channel's stream to the Docker engine broke{f': {tail}' if tail else ''}")
 
