@@ -12,7 +12,7 @@ dockerd, containerd, the containers' shims and the containers' cgroups: the daem
 shared, so other work on the machine adds noise). Ratios are against the SDK's `exec_run`
 (Docker) and mini-swe-agent's LocalEnvironment (local).
 
-    nice -n 10 python benchmarks/sandbox_exec.py [--repeats 30] [--commands 192] [--sandboxes 1,16,64]
+    nice -n 10 python benchmarks/sandbox_exec.py [--repeats 30] [--commands 192] [--sandboxes 1,16,64] [--image I]
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def report(paths: list[Path_], args: argparse.Namespace, console: Console) -> No
 
 # -- setup ------------------------------------------------------------------------------------
 async def main(args: argparse.Namespace) -> None:
-    console = Console()
+    console = Console(width=200)
     most = max(args.sandboxes)
     mini = importlib.util.find_spec("minisweagent") is not None
     pool = ThreadPoolExecutor(max_workers=most)
@@ -270,7 +270,7 @@ async def main(args: argparse.Namespace) -> None:
         (workspace / "big.txt").write_bytes(b"x" * 99_999 + b"\n")
         spec = SandboxSpec(workspace=workspace, labels={"patchgym.bench": RUN_LABEL})
 
-        channel = DockerSandboxBackend(concurrency=most, exec_channel=True)
+        channel = DockerSandboxBackend(concurrency=most, exec_channel=True, default_image=args.image)
         plain = DockerSandboxBackend(concurrency=most, exec_channel=False, reap_dead_owners=False)
         local = {iso: LocalSandboxBackend(isolation=iso, root_dir=tmp) for iso in ("none", "bwrap")}
         boxes: list[DockerSandbox] = []
@@ -315,6 +315,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--image", default="patchgym/base:latest", help="the Docker image (it needs bash and python3)")
     parser.add_argument("--repeats", type=int, default=30, help="latency samples per command and path")
     parser.add_argument("--commands", type=int, default=192, help="commands per throughput point (split over boxes)")
     parser.add_argument("--sandboxes", type=lambda s: [int(n) for n in s.split(",")], default=[1, 16, 64])
