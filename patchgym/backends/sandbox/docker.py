@@ -186,6 +186,8 @@ class DockerSandbox(Sandbox):
         self.workdir = spec.workdir
         self._closed = False
         self.channel = backend.channel_for(container) if backend.exec_channel else None
+        if self.channel is None:
+            backend.exec_paths["exec"] += 1
 
     async def exec(
         self,
