@@ -48,7 +48,7 @@ Run = Callable[[str], Awaitable[Any]]
 
 
 @dataclass
-class Path_:
+class Route:
     name: str
     group: str  # "docker" or "local"
     runners: list[Run]  # one per sandbox
@@ -187,7 +187,7 @@ def _mini_local_runner(workdir: Path, pool: ThreadPoolExecutor) -> Run:
 
 
 # -- measuring --------------------------------------------------------------------------------
-async def measure_latency(path: Path_, repeats: int) -> None:
+async def measure_latency(path: Route, repeats: int) -> None:
     run = path.runners[0]
     for name, cmd in COMMANDS.items():
         await run(cmd)  # warm up (the channel starts its server on first use)
@@ -199,7 +199,7 @@ async def measure_latency(path: Path_, repeats: int) -> None:
         path.latency[name] = samples
 
 
-async def measure_rate(path: Path_, sandboxes: int, commands: int) -> float:
+async def measure_rate(path: Route, sandboxes: int, commands: int) -> float:
     per_box = max(2, commands // sandboxes)
 
     async def loop(run: Run) -> None:
@@ -213,7 +213,7 @@ async def measure_rate(path: Path_, sandboxes: int, commands: int) -> float:
     return sandboxes * per_box / (time.perf_counter() - started)
 
 
-async def measure(path: Path_, args: argparse.Namespace, containers: list[Any], console: Console) -> None:
+async def measure(path: Route, args: argparse.Namespace, containers: list[Any], console: Console) -> None:
     console.print(f"[dim]measuring {path.name}[/dim]")
     await measure_latency(path, args.repeats)
     for n in args.sandboxes:
@@ -231,7 +231,7 @@ def _p95(values: list[float]) -> float:
     return statistics.quantiles(values, n=20)[18] if len(values) >= 2 else values[0]
 
 
-def report(paths: list[Path_], args: argparse.Namespace, console: Console) -> None:
+def report(paths: list[Route], args: argparse.Namespace, console: Console) -> None:
     baselines = {"docker": "SDK exec_run", "local": "mini-swe-agent local"}
     for group, baseline_name in baselines.items():
         group_paths = [p for p in paths if p.group == group]
@@ -265,7 +265,7 @@ async def main(args: argparse.Namespace) -> None:
     most = max(args.sandboxes)
     mini = importlib.util.find_spec("minisweagent") is not None
     pool = ThreadPoolExecutor(max_workers=most)
-    paths: list[Path_] = []
+    paths: list[Route] = []
     with tempfile.TemporaryDirectory(prefix="patchgym-bench-") as tmp:
         workspace = Path(tmp) / "workspace"
         workspace.mkdir()
@@ -284,22 +284,22 @@ async def main(args: argparse.Namespace) -> None:
             containers = [b.container for b in boxes]
             plain_boxes = [DockerSandbox(plain, c, spec) for c in containers]
             paths += [
-                Path_("patchgym channel", "docker", [_sandbox_runner(b) for b in boxes]),
-                Path_("patchgym plain exec", "docker", [_sandbox_runner(b) for b in plain_boxes]),
-                Path_("docker exec CLI", "docker", [_cli_runner(c.id) for c in containers]),
-                Path_("SDK exec_run", "docker", [_sdk_runner(c, pool) for c in containers]),
+                Route("patchgym channel", "docker", [_sandbox_runner(b) for b in boxes]),
+                Route("patchgym plain exec", "docker", [_sandbox_runner(b) for b in plain_boxes]),
+                Route("docker exec CLI", "docker", [_cli_runner(c.id) for c in containers]),
+                Route("SDK exec_run", "docker", [_sdk_runner(c, pool) for c in containers]),
             ]
             if mini:
                 paths.append(
-                    Path_("mini-swe-agent docker", "docker", [_mini_docker_runner(c.id, pool) for c in containers])
+                    Route("mini-swe-agent docker", "docker", [_mini_docker_runner(c.id, pool) for c in containers])
                 )
             for iso, backend in local.items():
                 made = [await backend.create(spec) for _ in range(most)]
                 local_boxes += made
-                paths.append(Path_(f"patchgym local {iso}", "local", [_sandbox_runner(b) for b in made]))
+                paths.append(Route(f"patchgym local {iso}", "local", [_sandbox_runner(b) for b in made]))
             if mini:
                 paths.append(
-                    Path_("mini-swe-agent local", "local", [_mini_local_runner(workspace, pool) for _ in range(most)])
+                    Route("mini-swe-agent local", "local", [_mini_local_runner(workspace, pool) for _ in range(most)])
                 )
             for path in paths:
                 await measure(path, args, containers if path.group == "docker" else [], console)

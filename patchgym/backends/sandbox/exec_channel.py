@@ -43,7 +43,7 @@ SERVER_KILLED_NOTE = (
     "killed it); the next command starts a new one\n"
 )
 
-Path_ = Literal["channel", "exec"]
+ExecPath = Literal["channel", "exec"]
 Call = Callable[..., Awaitable[Any]]
 """Runs a blocking Docker SDK call off the event loop, mapping its faults onto InfraErrors."""
 
@@ -159,7 +159,7 @@ class ExecChannel:
         self._call = call
         self.grace_s = grace_s
         self.start_timeout_s = start_timeout_s
-        self.path: Path_ | None = None
+        self.path: ExecPath | None = None
         """"channel" once a server said hello, "exec" when the image cannot run one; None before."""
         self.fallback_reason = ""
         self._paths = paths
