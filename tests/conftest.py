@@ -101,7 +101,8 @@ def make_harbor_backend(**settings: object) -> SandboxBackend:
     return HarborSandboxBackend(import_path="tests.harbor_local_env:LocalEnvironment", **settings)  # type: ignore[arg-type]
 
 
-BACKENDS = ["local-none", "local-bwrap", "docker", "e2b", "harbor"]
+BACKENDS = ["local-none", "local-bwrap", "docker", "docker-exec", "e2b", "harbor"]
+"""`docker` runs commands over the exec channel, `docker-exec` as one `docker exec` each."""
 
 
 def make_backend(kind: str, tmp_path: Path) -> SandboxBackend:
@@ -109,11 +110,11 @@ def make_backend(kind: str, tmp_path: Path) -> SandboxBackend:
         return make_e2b_backend()
     if kind == "harbor":
         return make_harbor_backend()
-    if kind == "docker":
+    if kind in ("docker", "docker-exec"):
         require_docker()
         from patchgym.backends.sandbox.docker import DockerSandboxBackend
 
-        return DockerSandboxBackend(concurrency=8)
+        return DockerSandboxBackend(concurrency=8, exec_channel=kind == "docker")
     if kind == "local-bwrap" and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
     root = tmp_path / "sandboxes"

@@ -41,6 +41,10 @@ class CappedBuffer:
         while self._tail_size - len(self._tail[0]) >= self._tail_limit:
             self._tail_size -= len(self._tail.popleft())
 
+    def omit(self, count: int) -> None:
+        """Count `count` bytes that were dropped at the source, between the head and the tail."""
+        self.total += count
+
     @property
     def truncated(self) -> bool:
         return self.total > self.limit

@@ -86,9 +86,9 @@ class SandboxConformance:
         assert not result.timed_out and not result.truncated
         assert result.duration_s > 0
 
-    async def test_commands_run_in_workdir_with_bash_login_shell(self, sandbox: Sandbox) -> None:
-        result = await sandbox.exec('pwd; shopt -q login_shell && echo login; echo "$0"', timeout_s=30)
-        assert result.stdout.splitlines() == [sandbox.workdir, "login", "bash"]
+    async def test_commands_run_in_workdir_with_bash_not_a_login_shell(self, sandbox: Sandbox) -> None:
+        result = await sandbox.exec('pwd; shopt -q login_shell || echo plain; echo "$0"', timeout_s=30)
+        assert result.stdout.splitlines() == [sandbox.workdir, "plain", "bash"]
         sub = await sandbox.exec("pwd", timeout_s=30, cwd="pkg")
         assert sub.stdout.strip() == f"{sandbox.workdir}/pkg"
 

@@ -3,10 +3,13 @@
 Each sandbox is a container running `sleep infinity` under `init` (zombies are reaped), with
 the spec's CPU, memory and PID limits, labels naming its owner, and no network unless the spec
 asks for it (then it joins one shared, pre-created network: never one network per sandbox).
-Commands are `docker exec`s wrapped in-container so that a timeout, the command's end, or a
-cancelled call kills the whole process group; output is read frame by frame into capped
-buffers. Files move as tar archives. The SDK is synchronous: it runs on a thread pool sized by
-`concurrency`, and the HTTP connection pool is sized to match.
+Commands run in the image's environment (`bash -c`, not a login shell), each in a process
+group that a timeout, the command's end, or a cancelled call kills. They travel over the
+sandbox's exec channel (`exec_channel`: one long-lived exec with a small server inside that
+forks each command) when the image has a Python, else as one `docker exec` each, wrapped
+in-container (`process_group`); either way output is captured in capped buffers. Files move
+as tar archives. The SDK is synchronous: it runs on a thread pool sized by `concurrency`,
+and the HTTP connection pool is sized to match.
 
 Starting sandboxes is taken off the critical path by a warm pool (`pool_size` started
 containers per image, resource shape and workspace, the workspace already copied in; a
@@ -28,6 +31,7 @@ import socket
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ import requests.exceptions
 from docker.models.containers import Container
 from docker.utils.socket import frames_iter
 
+from patchgym.backends.sandbox.exec_channel import ExecChannel
 from patchgym.backends.sandbox.process_group import group_argv, kill_group_command
 from patchgym.core.errors import (
     BuildError,
@@ -91,6 +96,14 @@ def _translate(exc: Exception, what: str) -> InfraError:
 
 
 _DOCKER_FAULTS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
+def _sdk_call(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, its Docker faults raised as InfraErrors (for the exec channel)."""
+    try:
+        return fn(*args)
+    except _DOCKER_FAULTS as exc:
+        raise _translate(exc, "exec channel") from exc
 
 
 def _tar_dir(local_dir: Path, target: str) -> tempfile.SpooledTemporaryFile[bytes]:
@@ -173,6 +186,9 @@ class DockerSandbox(Sandbox):
         self.container = container
         self.workdir = spec.workdir
         self._closed = False
+        self.channel = backend.channel_for(container) if backend.exec_channel else None
+        if self.channel is None:
+            backend.exec_paths["exec"] += 1
 
     async def exec(
         self,
@@ -184,10 +200,16 @@ class DockerSandbox(Sandbox):
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> ExecResult:
         self._check_open()
+        workdir = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
+        if self.channel is not None:
+            result = await self.channel.exec(
+                cmd, timeout_s=timeout_s, workdir=workdir, env=env or {}, limit=max_output_bytes
+            )
+            if result is not None:
+                return result
         token = secrets.token_hex(8)
         grace = self._backend.kill_grace_s
         argv = group_argv(cmd, timeout_s, grace, token)
-        workdir = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
         stream = _Stream()
         started = time.perf_counter()
         run = self._backend.run_sync(self._run_exec, argv, workdir, dict(env or {}), max_output_bytes, stream)
@@ -307,6 +329,8 @@ class DockerSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        if self.channel is not None:
+            await self.channel.close()
         await self._backend.remove(self.container)
 
 
@@ -318,6 +342,9 @@ class DockerSandboxBackend(SandboxBackend):
     `pool_refill_concurrency` creations at once; `network` names an existing Docker network
     for specs that allow network (create it once, with inter-container traffic off:
     `docker network create -o com.docker.network.bridge.enable_icc=false patchgym`).
+    `exec_channel` runs commands over a per-sandbox exec channel when the image has a Python
+    (its server must say hello within `channel_start_timeout_s`); `settings()["exec_paths"]`
+    counts the sandboxes on each path.
     """
 
     name = "docker"
@@ -336,6 +363,8 @@ class DockerSandboxBackend(SandboxBackend):
         owner: str | None = None,
         run_id: str | None = None,
         reap_dead_owners: bool = True,
+        exec_channel: bool = True,
+        channel_start_timeout_s: float = 60.0,
     ) -> None:
         if concurrency < 1 or pool_size < 0 or pool_refill_concurrency < 1:
             raise ConfigError("docker backend: concurrency and pool_refill_concurrency must be >= 1, pool_size >= 0")
@@ -348,6 +377,9 @@ class DockerSandboxBackend(SandboxBackend):
         self.owner = owner or owner_name()
         self.run_id = run_id or secrets.token_hex(6)
         self._reap_dead_owners = reap_dead_owners
+        self.exec_channel = exec_channel
+        self.channel_start_timeout_s = channel_start_timeout_s
+        self.exec_paths: Counter[str] = Counter()
         try:
             kwargs: dict[str, Any] = {"max_pool_size": concurrency + pool_refill_concurrency, "timeout": api_timeout_s}
             self.client = docker.DockerClient(base_url=base_url, **kwargs) if base_url else docker.from_env(**kwargs)
@@ -378,11 +410,25 @@ class DockerSandboxBackend(SandboxBackend):
             "owner": self.owner,
             "run_id": self.run_id,
             "enforces_resource_limits": True,
+            "exec_channel": self.exec_channel,
+            "channel_start_timeout_s": self.channel_start_timeout_s,
+            "exec_paths": {"channel": 0, "exec": 0, **self.exec_paths},
         }
 
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking SDK call on the backend's thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def channel_for(self, container: Container) -> ExecChannel:
+        """A new exec channel into `container` (one per sandbox: nothing is shared)."""
+        return ExecChannel(
+            self.client.api,
+            container.id,
+            lambda fn, *args: self.run_sync(_sdk_call, fn, *args),
+            grace_s=self.kill_grace_s,
+            start_timeout_s=self.channel_start_timeout_s,
+            paths=self.exec_paths,
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
     async def _ensure_started(self) -> None:

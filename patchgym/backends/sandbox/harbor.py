@@ -63,7 +63,7 @@ _EXEC_DIR = "/tmp/.patchgym-exec"
 _WRAPPER = r"""
 d=$4; H=$5; T=$6; mkdir -p "$d"
 run() {
-  timeout -k "$3" "$2" bash -lc "$1" </dev/null & echo $! > "$d/pid"; wait $!; echo $? > "$d/rc"
+  timeout -k "$3" "$2" bash -c "$1" </dev/null & echo $! > "$d/pid"; wait $!; echo $? > "$d/rc"
   kill -9 -"$(cat "$d/pid")" 2>/dev/null
 }
 cap() { dd bs=1 count="$H" of="$d/$1.h" status=none; dd bs=65536 2> "$d/$1.s" | tail -c "$T" > "$d/$1.t"; }

@@ -1,7 +1,9 @@
 """Local sandbox backend: each sandbox is a private copy of the task's workspace on this host.
 
-Commands run with `bash -lc` in their own process group; a timeout (or the end of the
-command) kills the whole group, and output is capped while it streams.
+Commands run with `bash -c` (not a login shell: the sandbox's environment stays as given) in
+their own process group; a timeout (or the end of the command) kills the whole group, and
+output is capped while it streams. The command's exit is noticed when it happens (asyncio's
+child watcher), not by polling.
 
 Isolation (setting `isolation`):
 - `bwrap`: commands run under bubblewrap with a read-only view of the host, the workspace
@@ -111,26 +113,31 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-async def _wait_exit(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
-    """Wait until the process itself exits (not until its pipes close); False on timeout.
+class _Capture(asyncio.SubprocessProtocol):
+    """A command's pipes fed into capped buffers; `exited` resolves when the process itself exits.
 
-    `Process.wait()` also waits for every holder of the pipes, which a background child
-    can keep open forever; the return code is set as soon as the process exits.
+    The exit is told apart from the pipes closing: a background child can hold the pipes open
+    long after the command ended (`Process.wait()` would wait for it too).
     """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    while proc.returncode is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        await asyncio.sleep(min(delay, left))
-        delay = min(delay * 2, 0.05)
-    return True
 
+    def __init__(self, limit: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.stdout, self.stderr = CappedBuffer(limit), CappedBuffer(limit)
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.drained: asyncio.Future[None] = loop.create_future()
+        self._open_pipes = 2
 
-async def _pump(stream: asyncio.StreamReader, sink: CappedBuffer) -> None:
-    while chunk := await stream.read(1 << 16):
-        sink.write(chunk)
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        (self.stdout if fd == 1 else self.stderr).write(data)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self._open_pipes -= 1
+        if self._open_pipes == 0 and not self.drained.done():
+            self.drained.set_result(None)
+
+    def process_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
 
 
 class LocalSandbox(Sandbox):
@@ -157,11 +164,6 @@ class LocalSandbox(Sandbox):
         }
         self.root = root
 
-    @property
-    def bash_profile(self) -> str:
-        """Login shells reset PATH from /etc/profile; the sandbox's profile restores it."""
-        return f"export PATH={json.dumps(self._env['PATH'])}\n"
-
     def _host_path(self, path: str) -> Path:
         root, relative = confine_path(path, self.workdir, (self.workdir, self._tmp_view))
         host = self._root / ("work" if root == self.workdir else "tmp")
@@ -171,7 +173,7 @@ class LocalSandbox(Sandbox):
         return resolved
 
     def _argv(self, cmd: str, cwd: str) -> list[str]:
-        shell = ["bash", "-lc", cmd]
+        shell = ["bash", "-c", cmd]
         if not self._bwrap:
             return shell
         args = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
@@ -200,35 +202,34 @@ class LocalSandbox(Sandbox):
             return ExecResult(exit_code=1, stdout="", stderr=f"cwd {view_cwd!r} is not a directory in the sandbox\n")
         started = time.perf_counter()
         try:
-            proc = await asyncio.create_subprocess_exec(
+            transport, capture = await asyncio.get_running_loop().subprocess_exec(
+                partial(_Capture, max_output_bytes),
                 *self._argv(cmd, view_cwd),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 env={**self._env, **(env or {})},
                 cwd=host_cwd,
                 start_new_session=True,
             )
         except OSError as exc:
             raise SandboxLostError(f"could not start a command in the local sandbox: {exc}") from exc
-        stdout, stderr = CappedBuffer(max_output_bytes), CappedBuffer(max_output_bytes)
-        assert proc.stdout is not None and proc.stderr is not None
-        readers = [asyncio.create_task(_pump(proc.stdout, stdout)), asyncio.create_task(_pump(proc.stderr, stderr))]
+        drain = self._backend.drain_timeout_s
         try:
-            timed_out = not await _wait_exit(proc, timeout_s)
+            done, _ = await asyncio.wait([capture.exited], timeout=timeout_s)
         finally:
-            _kill_group(proc.pid)  # also removes background processes the command left behind
-            _, pending = await asyncio.wait(readers, timeout=self._backend.drain_timeout_s)
-            for reader in pending:
-                reader.cancel()
-        await _wait_exit(proc, self._backend.drain_timeout_s)
-        code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+            _kill_group(transport.get_pid())  # also removes background processes the command left behind
+            await asyncio.wait([capture.exited, capture.drained], timeout=drain)
+            transport.close()
+        timed_out = not done
+        code = transport.get_returncode()
+        code = -signal.SIGKILL if code is None else code
         return ExecResult(
             exit_code=None if timed_out else (128 - code if code < 0 else code),
-            stdout=stdout.text(),
-            stderr=stderr.text(),
+            stdout=capture.stdout.text(),
+            stderr=capture.stderr.text(),
             timed_out=timed_out,
-            truncated=stdout.truncated or stderr.truncated,
+            truncated=capture.stdout.truncated or capture.stderr.truncated,
             duration_s=time.perf_counter() - started,
         )
 
@@ -323,18 +324,16 @@ class LocalSandboxBackend(SandboxBackend):
             raise SandboxStartError(f"cannot create a sandbox directory in {self.root_dir}: {exc}") from exc
         sandbox = LocalSandbox(self, root, spec, bwrap=self.isolation == "bwrap")
         try:
-            await self.run_io(self._populate, root, workspace, spec, sandbox.bash_profile)
+            await self.run_io(self._populate, root, workspace, spec)
         except OSError as exc:
             await self.run_io(_remove_tree, root)
             raise SandboxStartError(f"cannot copy workspace {str(workspace)!r} into a sandbox: {exc}") from exc
         return sandbox
 
     @staticmethod
-    def _populate(root: Path, workspace: Path, spec: SandboxSpec, bash_profile: str) -> None:
+    def _populate(root: Path, workspace: Path, spec: SandboxSpec) -> None:
         shutil.copytree(workspace, root / "work", symlinks=True)
-        home = root / "tmp" / "home"
-        home.mkdir(parents=True)
-        (home / ".bash_profile").write_text(bash_profile)
+        (root / "tmp" / "home").mkdir(parents=True)
         labels = {"labels": dict(spec.labels), "owner_pid": os.getpid()}
         (root / _LABELS_FILE).write_text(json.dumps(labels))
 

@@ -1,7 +1,8 @@
 """Running a command in its own process group inside a remote sandbox (Docker, E2B).
 
 A client that stops waiting does not stop the command, so the command is wrapped in-sandbox:
-it runs under `timeout` (SIGKILL after a grace period) in a process group of its own, the
+it runs under `timeout` (SIGKILL after a grace period) in a process group of its own, with
+`bash -c` in the sandbox's own environment (a login shell would reset PATH from /etc/profile), the
 group id is recorded in a file named by a token (so a cancelled call can kill it), and what
 is left of the group is killed when the command ends.
 """
@@ -12,7 +13,7 @@ import shlex
 
 EXEC_DIR = "/tmp/.patchgym-exec"
 _SCRIPT = (
-    f'mkdir -p {EXEC_DIR}; timeout -k "$3" "$2" bash -lc "$1" </dev/null & pid=$!; echo $pid > {EXEC_DIR}/"$4"; '
+    f'mkdir -p {EXEC_DIR}; timeout -k "$3" "$2" bash -c "$1" </dev/null & pid=$!; echo $pid > {EXEC_DIR}/"$4"; '
     f'wait $pid; rc=$?; kill -9 -$pid 2>/dev/null; rm -f {EXEC_DIR}/"$4"; exit $rc'
 )
 
