@@ -55,9 +55,15 @@ def _reward_plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], out: 
             alpha=0.2,
             label="±1 std within the batch (clipped to [0, 1])",
         )
-    for e in evals:
-        ax.scatter([e.get("step", 0)], [e["pass_at_1"]], marker="D", zorder=3)
-        ax.annotate(f"{e.get('stage', 'eval')}: {e['pass_at_1']:.1%}", (e.get("step", 0), e["pass_at_1"]), fontsize=8)
+    at_step: Counter[int] = Counter()
+    for n, e in enumerate(evals):
+        step = e.get("step", 0)
+        label = "held-out pass@1" if n == 0 else None
+        ax.scatter([step], [e["pass_at_1"]], marker="D", color="C3", zorder=3, label=label)
+        offset = (4, 4 + 11 * at_step[step])  # evaluations at one step (base and SFT: 0) stacked, not overlaid
+        at_step[step] += 1
+        text = f"{e.get('stage', 'eval')}: {e['pass_at_1']:.1%}"
+        ax.annotate(text, (step, e["pass_at_1"]), xytext=offset, textcoords="offset points", fontsize=8)
     ax.set(xlabel="step", ylabel="reward / pass@1", title="Reward and pass@1", ylim=(-0.05, 1.05))
     ax.legend(loc="upper left")
     fig.tight_layout()
@@ -96,8 +102,9 @@ def _lengths_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
             by_reason[t.get("termination") or "none"].append(int(t.get("turns", 0)))
         if by_reason:
             ax.hist(list(by_reason.values()), bins=bins, stacked=True, label=list(by_reason))
-            ax.legend(title="termination", fontsize=8)
+            ax.legend(title="termination", fontsize=8, loc="best")
         ax.set(xlabel="turns", ylabel="trajectories", title=f"{title} ({len(group)})")
+        ax.set_xticks(range(min(turns), max(turns) + 1))  # turns are whole numbers
     fig.suptitle("Trajectory length by termination reason")
     fig.tight_layout()
     fig.savefig(out / "lengths.png", dpi=110)
@@ -114,7 +121,7 @@ def _sandbox_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
     ax.set_yscale("log")  # a few long outliers must not flatten every box
     ax.set(
         xlabel="phase of the trajectory",
-        ylabel="seconds per trajectory (log scale)",
+        ylabel="seconds per trajectory (log scale; < 1 ms at 1 ms)",
         title="Trajectory phase times",
     )
     fig.tight_layout()
@@ -181,11 +188,11 @@ def _accounting_rows(steps: list[dict[str, Any]]) -> list[str]:
 
 def compare_step_split(run_dirs: list[str | Path]) -> str:
     """A markdown table of the step-time split of several runs, side by side (mean seconds per step)."""
-    splits = {str(d): step_split(read_events(d, "step")) for d in run_dirs}
-    head = ["part", *splits]
+    splits = [step_split(read_events(d, "step")) for d in run_dirs]
+    head = ["part", *(str(d) for d in run_dirs)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in [*STEP_PARTS.values(), "step"]:
-        cells = [f"{split[label]:.2f} s ({split[label] / (split['step'] or 1.0):.0%})" for split in splits.values()]
+        cells = [f"{split[label]:.2f} s ({split[label] / (split['step'] or 1.0):.0%})" for split in splits]
         lines.append(f"| {'whole step' if label == 'step' else label} | " + " | ".join(cells) + " |")
     return "\n".join(["# Step-time split, mean per step", "", *lines]) + "\n"
 
