@@ -269,7 +269,7 @@ class Pipeline:
         """Replay each train task's solution through the env; solved replays are the traces."""
         tasks = list(self.train_tasks)
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        bar = progress.add_task("sft traces (oracle)", total=len(tasks))
+        bar = progress.add_task("sft traces (oracle)", total=len(tasks), unit="trace")
 
         async def trace(task: Task) -> Trajectory:
             trajectory = await self._episode(task, OraclePolicy(self.tokenizer, task, turn_end), self.config.agent)

@@ -38,4 +38,6 @@ class RunLabelledBackend(SandboxBackend):
         await self.inner.aclose()
 
     def __getattr__(self, name: str) -> Any:  # backend-specific attributes (settings, pools) stay reachable
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
