@@ -165,6 +165,8 @@ async def test_a_resumed_manager_restarts_the_pending_tasks_once_before_new_draw
     second.settle(batch)
     await until(lambda: len(resumed_sim.started) == 12)
     assert resumed_sim.started[8:] == ["t6", "t6", "t7", "t7"] and second.tally.drawn == 8
+    assert second.tally.restarted == 4  # groups numbered after every group started before, over resumes
+    assert [g.serial for g in second.pending_groups()] == list(range(8, 12))
     check_identity(second.tally)
     await second.aclose()
 

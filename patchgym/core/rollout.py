@@ -113,6 +113,8 @@ class GroupTally:
     """Groups set aside, by reason (a `groups_*` name)."""
     episodes_discarded: int = 0
     """Episodes started for the groups set aside: rollout compute thrown away."""
+    restarted: int = 0
+    """Pending groups started again by a resumed run (not new draws)."""
 
     @property
     def pending(self) -> int:
@@ -129,11 +131,17 @@ class GroupTally:
             "trained": self.trained,
             "discarded": dict(self.discarded),
             "episodes_discarded": self.episodes_discarded,
+            "restarted": self.restarted,
         }
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> GroupTally:
-        return cls(state["drawn"], state["trained"], Counter(state["discarded"]), state["episodes_discarded"])
+        counts = (state["drawn"], state["trained"], Counter(state["discarded"]), state["episodes_discarded"])
+        return cls(*counts, state.get("restarted", 0))
+
+    def next_serial(self) -> int:
+        """A number for the next group started: one more than all groups started so far, over resumes."""
+        return self.drawn + self.restarted
 
 
 @dataclass
@@ -175,7 +183,6 @@ class RolloutManager:
         self.tally = tally or GroupTally(drawn=len(self._restart))
         if self.tally.pending != len(self._restart):
             raise ValueError(f"the tally has {self.tally.pending} pending groups but {len(self._restart)} restart")
-        self._serial = self.tally.drawn
         self._started_groups = 0  # since the base version, less those set aside
         self._slots = asyncio.Semaphore(self.config.concurrency)
         # None: no group will come any more; an exception: an episode failed other than by an infra error
@@ -197,7 +204,8 @@ class RolloutManager:
 
     def _next_task(self) -> Task | None:
         if self._restart:
-            return self._restart.popleft()  # counted as drawn by the run that started it first
+            self.tally.restarted += 1  # drawn by the run that started it first
+            return self._restart.popleft()
         task = self._resample.popleft() if self._resample else next(self._tasks, None)
         self._tasks_done = task is None
         self.tally.drawn += task is not None
@@ -205,9 +213,12 @@ class RolloutManager:
 
     async def _produce(self) -> None:
         while True:
-            while self._capacity() > 0 and (task := self._next_task()) is not None:
-                group = Group(task, self.version, self._serial, started_at=time.perf_counter())
-                self._serial += 1
+            while self._capacity() > 0:
+                serial = self.tally.next_serial()
+                task = self._next_task()
+                if task is None:
+                    break
+                group = Group(task, self.version, serial, started_at=time.perf_counter())
                 self._started_groups += 1
                 self._unconsumed[id(group)] = group
                 runner = asyncio.create_task(self._run_group(group))
