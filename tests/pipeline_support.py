@@ -59,7 +59,7 @@ def run_config(tmp_path: Path, *, steps: int, sft: bool = True, changes: Mapping
     return merged(config, changes)
 
 
-def check_group_accounting(run_dir: Path) -> dict[str, Any]:
+def check_group_accounting(run_dir: str | Path) -> dict[str, Any]:
     """The accounting identity of a run's GRPO stage; returns the final running totals.
 
     At every step, every group drawn is trained, set aside with a reason, or pending:
@@ -88,16 +88,16 @@ def check_group_accounting(run_dir: Path) -> dict[str, Any]:
         closed += [serial for serial, _, _ in step["group_outcomes"]]
         totals = now
     assert len(closed) == len(set(closed)), "a group was closed twice"
-    state = json.loads((run_dir / "state.json").read_text())
+    state = json.loads((Path(run_dir) / "state.json").read_text())
     if state["rollout"] is not None:
         assert state["rollout"]["drawn"] == totals["drawn"] and len(state["pending"]) == totals["pending"]
     return totals
 
 
-def drawn_task_ids(run_dir: Path) -> Counter[str]:
+def drawn_task_ids(run_dir: str | Path) -> Counter[str]:
     """The tasks of every group a run drew, with multiplicity: those it closed and those still pending."""
     closed = [task for step in read_events(run_dir, "step") for _, task, _ in step["group_outcomes"]]
-    state = json.loads((run_dir / "state.json").read_text())
+    state = json.loads((Path(run_dir) / "state.json").read_text())
     return Counter([*closed, *state["pending"]])
 
 

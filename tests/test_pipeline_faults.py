@@ -256,7 +256,7 @@ async def test_every_group_is_accounted_for_with_oversampling_cancels_and_a_lost
     await run(config)
     assert parts.faults.lost == [0] and parts.trainer is not None
     check_grpo_accounting(config.run_dir, steps=3, trained=parts.trainer.batches, on_policy=True)
-    totals = check_group_accounting(Path(config.run_dir))
+    totals = check_group_accounting(config.run_dir)
     assert totals["trained"] == 3 and totals["drawn"] == 3 + sum(totals["discarded"].values()) + totals["pending"]
     (lost,) = [t for t in read_events(config.run_dir, "trajectory") if t["infra_error"]]
     assert lost["discarded"] in ("groups_too_few_valid", "groups_cancelled_stale")
