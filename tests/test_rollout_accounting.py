@@ -86,6 +86,20 @@ async def test_gating_counts_from_the_version_the_stage_starts_at(
     await manager.aclose()
 
 
+async def test_a_version_jump_admits_no_more_than_the_groups_consumed() -> None:
+    sim = Held()
+    config = RolloutConfig(mode="one_step_off", group_size=2, batch_groups=2, concurrency=1000)
+    manager = RolloutManager(iter(tasks(100)), sim, config)
+    manager.start()
+    await settle_loop()
+    assert manager.tally.drawn == 4
+    manager.publish(5)  # versions published without a batch consumed: too stale now, cancelled ...
+    await settle_loop()
+    assert manager.tally.discarded == {"groups_cancelled_stale": 4}
+    assert manager.tally.pending == 4  # ... and replaced, but the window did not grow with the versions
+    await manager.aclose()
+
+
 async def test_version_set_after_construction_also_starts_the_window() -> None:
     sim = Held()
     manager = RolloutManager(iter(tasks(100)), sim, RolloutConfig(group_size=2, batch_groups=4, max_staleness=1))

@@ -4,7 +4,9 @@ One event loop drives every trajectory. Which groups may start is decided by one
 gating on policy versions (as in AReaL), counted from the version `v0` the manager started at
 (the stage's first version, or the resumed one): with `B` groups per batch and policy version
 `v`, at most `(v - v0 + 1 + max_staleness) * B + oversample_groups` groups may have been started
-since (groups set aside give their place back), and at most `concurrency` trajectories run at
+since (groups set aside give their place back), never more than the window
+`(1 + max_staleness) * B + oversample_groups` beyond the groups consumed (a jump of several
+versions admits no more than one batch does), and at most `concurrency` trajectories run at
 once. So, whatever version a stage or a resume starts at:
 
 - `sync` is `max_staleness = 0`: the next batch starts only after the trainer published the
@@ -184,6 +186,7 @@ class RolloutManager:
         if self.tally.pending != len(self._restart):
             raise ValueError(f"the tally has {self.tally.pending} pending groups but {len(self._restart)} restart")
         self._started_groups = 0  # since the base version, less those set aside
+        self._consumed = 0  # groups handed to the trainer since the base version
         self._slots = asyncio.Semaphore(self.config.concurrency)
         # None: no group will come any more; an exception: an episode failed other than by an infra error
         self._ready: asyncio.Queue[Group | Exception | None] = asyncio.Queue()
@@ -199,8 +202,10 @@ class RolloutManager:
     def _capacity(self) -> int:
         c = self.config
         assert self._base_version is not None
-        budget = (self.version - self._base_version + 1 + c.staleness) * c.batch_groups + c.oversample_groups
-        return budget - self._started_groups
+        window = (1 + c.staleness) * c.batch_groups + c.oversample_groups
+        by_version = (self.version - self._base_version) * c.batch_groups + window - self._started_groups
+        by_consumption = window - (self._started_groups - self._consumed)
+        return min(by_version, by_consumption)
 
     def _next_task(self) -> Task | None:
         if self._restart:
@@ -281,6 +286,7 @@ class RolloutManager:
             if self._usable(group):
                 self._unconsumed.pop(id(group), None)
                 self.tally.trained += 1
+                self._consumed += 1
                 groups.append(group)
                 continue
             discarded += 1
