@@ -42,7 +42,10 @@ TaskSetArg = Annotated[str, typer.Argument(help="a task set name (see `patchgym 
 SandboxOpt = Annotated[str, typer.Option("--sandbox", help="sandbox backend name")]
 SandboxOptionsOpt = Annotated[
     list[str] | None,
-    typer.Option("--sandbox-option", help="KEY=VALUE setting of the sandbox backend (repeatable)"),
+    typer.Option(
+        "--sandbox-option",
+        help="KEY=VALUE setting of the sandbox backend (repeatable; `patchgym plugins --options NAME` lists them)",
+    ),
 ]
 
 
@@ -64,7 +67,12 @@ def make_sandbox(name: str, options: list[str] | None) -> SandboxBackend:
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 TaskOptionsOpt = Annotated[
     list[str] | None,
-    typer.Option("--option", "-o", help="KEY=VALUE option for the task set, e.g. -o path=data.jsonl (repeatable)"),
+    typer.Option(
+        "--option",
+        "-o",
+        help="KEY=VALUE option for the task set, e.g. -o count=8 (repeatable; `patchgym plugins --options NAME` "
+        "lists them)",
+    ),
 ]
 
 
@@ -91,10 +99,55 @@ def load_task_set(name: str, options: list[str] | None = None) -> TaskSet:
     return registry().create("task_set", name, **parsed)
 
 
+def _type_name(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def _print_options(name: str, as_json: bool) -> None:
+    reg = registry()
+    found = [r for kind in KIND_LABELS for r in reg.registrations(kind) if r.name == name]
+    if not found:
+        raise ConfigError(f"nothing is registered as {name!r}; `patchgym plugins` lists every name")
+    listing = []
+    for registration in found:
+        model = registration.options_model()
+        rows = [
+            {
+                "option": option,
+                "type": _type_name(info.annotation),
+                "default": None if info.is_required() else info.default,
+                "required": info.is_required(),
+                "description": info.description or "",
+            }
+            for option, info in model.model_fields.items()
+        ]
+        listing.append(
+            {"kind": registration.kind, "name": name, "description": registration.description, "options": rows}
+        )
+    if as_json:
+        print(json.dumps(listing, indent=2, default=str))
+        return
+    for entry in listing:
+        title = f"{KIND_LABELS[entry['kind']]} {name}: {entry['description']}".rstrip(": ")
+        table = Table("option", "type", "default", "description", title=escape(title))
+        for row in entry["options"]:
+            default = "(required)" if row["required"] else repr(row["default"])
+            table.add_row(escape(row["option"]), escape(row["type"]), escape(default), escape(row["description"]))
+        console.print(table)
+
+
 @app.command()
 @friendly_errors
-def plugins(as_json: JsonOpt = False) -> None:
-    """List plugins, what they registered, and any that failed to load."""
+def plugins(
+    options: Annotated[
+        str | None, typer.Option("--options", help="show the options of the part registered under this name")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List plugins, what they registered, and any that failed to load; or one part's options."""
+    if options is not None:
+        _print_options(options, as_json)
+        return
     reg = registry()
     records = [record.as_dict() for record in reg.plugins()]
     conflicts = reg.conflicts()
@@ -203,8 +256,9 @@ def env_play(
     env = SWEEnv(load_task_set(task_set, option), sandbox, sandbox_options=parse_options(sandbox_option))
     try:
         observation, info = env.reset(options={"task": task_id})
-        console.print(info["system_prompt"], style="dim", markup=False, highlight=False)
-        console.print(observation, markup=False, highlight=False)
+        # soft_wrap: long lines go out whole, for the terminal to wrap (code lines are never split)
+        console.print(info["system_prompt"], style="dim", markup=False, highlight=False, soft_wrap=True)
+        console.print(observation, markup=False, highlight=False, soft_wrap=True)
         if info["infra_error"]:
             console.print(f"[red]infrastructure error:[/red] {escape(info['infra_error']['message'])}", highlight=False)
             raise typer.Exit(1)
@@ -222,7 +276,7 @@ def env_play(
                 break
             message = SUBMIT_SENTINEL if line.strip() == "submit" else f"```bash\n{line}\n```"
             observation, reward, terminated, truncated, info = env.step(message)
-            console.print(observation, markup=False, highlight=False)
+            console.print(observation, markup=False, highlight=False, soft_wrap=True)
             done = terminated or truncated
         _print_outcome(reward, info)
     finally:
@@ -240,27 +294,55 @@ def _print_outcome(reward: float, info: dict[str, Any]) -> None:
                 console.print(f"{label}: {details[label]['passed']}/{details[label]['total']} passing")
 
 
+RUN_MARKERS = ("config.yaml", "events.jsonl", "state.json")
+"""Files that make a folder a patchgym run directory (one `--overwrite` may empty)."""
+
+
+def _claim_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """A new run needs an empty (or absent) run directory; `--overwrite` empties an earlier run's."""
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"run directory {run_dir} is not empty: continue that run with `patchgym run --resume {run_dir}`, "
+            "start it again with --overwrite, or set run_dir to a new folder"
+        )
+    if not any((run_dir / marker).exists() for marker in RUN_MARKERS):
+        raise ConfigError(f"{run_dir} holds files but no patchgym run ({', '.join(RUN_MARKERS)}): not removing it")
+    import shutil
+
+    shutil.rmtree(run_dir)
+
+
 @app.command("run")
 @friendly_errors
 def run_pipeline(
     config: Annotated[Path | None, typer.Argument(help="a run configuration (YAML)")] = None,
     resume: Annotated[Path | None, typer.Option(help="continue the run in this directory")] = None,
+    overwrite: Annotated[bool, typer.Option(help="remove an earlier run in the config's run_dir first")] = False,
 ) -> None:
-    """Run the pipeline: eval base → SFT → eval → GRPO → eval, with checkpoints and metrics."""
+    """Run the pipeline: eval base → SFT → eval → GRPO → eval, with checkpoints and metrics.
+
+    Every name and option in CONFIG is checked before anything is written (`patchgym plugins
+    --options NAME` lists a part's options)."""
     import shutil
 
     from patchgym.logs import library_output_to
     from patchgym.pipeline.config import load_run_config
-    from patchgym.pipeline.run import Pipeline
+    from patchgym.pipeline.run import Pipeline, check_config
 
     if (config is None) == (resume is None):
         raise ConfigError("give either CONFIG (a new run) or --resume RUN_DIR (continue a run)")
     source = resume / "config.yaml" if resume is not None else config
     assert source is not None
+    if resume is not None and not source.is_file():
+        raise ConfigError(f"{resume} is not a run directory (it has no config.yaml)")
     settings = load_run_config(source)
     if resume is not None:
         settings = settings.model_copy(update={"run_dir": str(resume)})
-    else:
+    check_config(settings)
+    if resume is None:
+        _claim_run_dir(Path(settings.run_dir), overwrite)
         Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, Path(settings.run_dir) / "config.yaml")
     with library_output_to(Path(settings.run_dir)):  # library warnings and logging: RUN_DIR/library.log
@@ -270,15 +352,24 @@ def run_pipeline(
 
 @app.command()
 @friendly_errors
-def report(run_dir: Annotated[Path, typer.Argument(help="a run directory holding events.jsonl")]) -> None:
-    """Write PNG plots and a markdown summary of a run into RUN_DIR/report."""
-    from patchgym.report import write_report
+def report(
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="run directories holding events.jsonl (two or more: compared)")
+    ],
+) -> None:
+    """Write PNG plots and a markdown summary of each run into RUN_DIR/report; print the group
+    accounting, and with several runs their step-time split side by side."""
+    from patchgym.report import compare_step_split, write_report
 
     try:
-        out = write_report(run_dir)
+        for run_dir in run_dirs:
+            out = write_report(run_dir)
+            console.print(f"wrote {escape(str(out))}: reward.png, step_time.png, lengths.png, sandbox.png, summary.md")
+            console.print((out / "summary.md").read_text(), markup=False, highlight=False, soft_wrap=True)
+        if len(run_dirs) > 1:
+            console.print(compare_step_split(run_dirs), markup=False, highlight=False, soft_wrap=True)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
-    console.print(f"wrote {escape(str(out))}: reward.png, step_time.png, lengths.png, sandbox.png, summary.md")
 
 
 @sandbox_app.command("build-base")

@@ -2,7 +2,15 @@
 
 Writes into RUN_DIR/report/: reward.png (training reward and pass@1 of each evaluation over
 steps), step_time.png (stacked split of each step's time), lengths.png (trajectory turns by
-termination reason), sandbox.png (phase times per trajectory), and summary.md.
+termination reason, training and evaluation apart), sandbox.png (phase times per trajectory, log
+scale), and summary.md (with the group accounting and the step-time split). `compare_step_split`
+puts the step-time split of several runs side by side.
+
+The step-time split: generation (the trainer waiting for rollouts), training (the actor update),
+weight sync, and orchestration (the rest of the step's wall time). There is no separate log-prob
+recompute: GRPO's importance weights compare the engine's log-probs with the trainer's, computed
+in the same forward pass as the update, so that time is inside "training" (runs logged before
+this split show `logprob_recompute_s`, always 0, which is ignored).
 """
 
 from __future__ import annotations
@@ -14,7 +22,12 @@ from typing import Any
 
 from patchgym.core.metrics import read_events
 
-STEP_PARTS = ("actor_update_s", "rollout_wait_s", "logprob_recompute_s", "weight_sync_s")
+STEP_PARTS = {
+    "rollout_wait_s": "generation",
+    "actor_update_s": "training",
+    "weight_sync_s": "weight sync",
+    "orchestration_s": "orchestration",
+}
 PHASES = ("sandbox_start_s", "commands_s", "llm_s", "grade_s")
 
 
@@ -35,15 +48,22 @@ def _reward_plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], out: 
         mean = [s.get("reward_mean", 0.0) for s in steps]
         std = [s.get("reward_std", 0.0) for s in steps]
         ax.plot(x, mean, label="training reward (batch mean)")
-        ax.fill_between(
+        ax.fill_between(  # rewards lie in [0, 1]: so does the band
             x,
-            [m - d for m, d in zip(mean, std, strict=True)],
-            [m + d for m, d in zip(mean, std, strict=True)],
+            [max(0.0, m - d) for m, d in zip(mean, std, strict=True)],
+            [min(1.0, m + d) for m, d in zip(mean, std, strict=True)],
             alpha=0.2,
+            label="±1 std within the batch (clipped to [0, 1])",
         )
-    for e in evals:
-        ax.scatter([e.get("step", 0)], [e["pass_at_1"]], marker="D", zorder=3)
-        ax.annotate(f"{e.get('stage', 'eval')}: {e['pass_at_1']:.1%}", (e.get("step", 0), e["pass_at_1"]), fontsize=8)
+    at_step: Counter[int] = Counter()
+    for n, e in enumerate(evals):
+        step = e.get("step", 0)
+        label = "held-out pass@1" if n == 0 else None
+        ax.scatter([step], [e["pass_at_1"]], marker="D", color="C3", zorder=3, label=label)
+        offset = (4, 4 + 11 * at_step[step])  # evaluations at one step (base and SFT: 0) stacked, not overlaid
+        at_step[step] += 1
+        text = f"{e.get('stage', 'eval')}: {e['pass_at_1']:.1%}"
+        ax.annotate(text, (step, e["pass_at_1"]), xytext=offset, textcoords="offset points", fontsize=8)
     ax.set(xlabel="step", ylabel="reward / pass@1", title="Reward and pass@1", ylim=(-0.05, 1.05))
     ax.legend(loc="upper left")
     fig.tight_layout()
@@ -56,12 +76,12 @@ def _step_time_plot(steps: list[dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = [s["step"] for s in steps]
     bottom = [0.0] * len(steps)
-    for part in STEP_PARTS:
+    for part, label in STEP_PARTS.items():
         values = [s.get("timings", {}).get(part, 0.0) for s in steps]
-        ax.bar(x, values, bottom=bottom, label=part.removesuffix("_s").replace("_", " "))
+        ax.bar(x, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set(xlabel="step", ylabel="seconds", title="Where each step's time went")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, never on them
     fig.tight_layout()
     fig.savefig(out / "step_time.png", dpi=110)
     plt.close(fig)
@@ -69,14 +89,23 @@ def _step_time_plot(steps: list[dict[str, Any]], out: Path) -> None:
 
 def _lengths_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
     plt = _plt()
-    by_reason: dict[str, list[int]] = defaultdict(list)
-    for t in trajectories:
-        by_reason[t.get("termination") or "none"].append(int(t.get("turns", 0)))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    if by_reason:
-        ax.hist(list(by_reason.values()), bins=20, stacked=True, label=list(by_reason))
-        ax.legend(title="termination")
-    ax.set(xlabel="turns", ylabel="trajectories", title="Trajectory length by termination reason")
+    kinds = {
+        "training episodes": [t for t in trajectories if not str(t.get("stage", "")).startswith("eval")],
+        "evaluation episodes": [t for t in trajectories if str(t.get("stage", "")).startswith("eval")],
+    }
+    turns = [int(t.get("turns", 0)) for t in trajectories] or [0]
+    bins = [b - 0.5 for b in range(min(turns), max(turns) + 2)]  # one bar per turn count
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharex=True)
+    for ax, (title, group) in zip(axes, kinds.items(), strict=True):
+        by_reason: dict[str, list[int]] = defaultdict(list)
+        for t in group:
+            by_reason[t.get("termination") or "none"].append(int(t.get("turns", 0)))
+        if by_reason:
+            ax.hist(list(by_reason.values()), bins=bins, stacked=True, label=list(by_reason))
+            ax.legend(title="termination", fontsize=8, loc="best")
+        ax.set(xlabel="turns", ylabel="trajectories", title=f"{title} ({len(group)})")
+        ax.set_xticks(range(min(turns), max(turns) + 1))  # turns are whole numbers
+    fig.suptitle("Trajectory length by termination reason")
     fig.tight_layout()
     fig.savefig(out / "lengths.png", dpi=110)
     plt.close(fig)
@@ -84,11 +113,17 @@ def _lengths_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
 
 def _sandbox_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
     plt = _plt()
-    data = [[t.get("timings", {}).get(p, 0.0) for t in trajectories] for p in PHASES]
+    floor = 1e-3  # a log scale has no 0: phases under a millisecond are drawn at 1 ms
+    data = [[max(floor, t.get("timings", {}).get(p, 0.0)) for t in trajectories] for p in PHASES]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if trajectories:
         ax.boxplot(data, tick_labels=[p.removesuffix("_s").replace("_", " ") for p in PHASES])
-    ax.set(ylabel="seconds per trajectory", title="Trajectory phase times")
+    ax.set_yscale("log")  # a few long outliers must not flatten every box
+    ax.set(
+        xlabel="phase of the trajectory",
+        ylabel="seconds per trajectory (log scale; < 1 ms at 1 ms)",
+        title="Trajectory phase times",
+    )
     fig.tight_layout()
     fig.savefig(out / "sandbox.png", dpi=110)
     plt.close(fig)
@@ -119,10 +154,10 @@ def _summary(steps: list[dict[str, Any]], trajectories: list[dict[str, Any]], ev
         row(
             "reward, first → last step", f"{steps[0].get('reward_mean', 0):.3f} → {steps[-1].get('reward_mean', 0):.3f}"
         )
-        totals = {p: sum(s.get("timings", {}).get(p, 0.0) for s in steps) for p in STEP_PARTS}
-        whole = sum(totals.values()) or 1.0
-        split = ", ".join(f"{p.removesuffix('_s')} {v / whole:.0%}" for p, v in totals.items())
-        row("mean step time", f"{whole / len(steps):.1f} s ({split})")
+        split = step_split(steps)
+        parts = ", ".join(f"{label} {split[label] / (split['step'] or 1.0):.0%}" for label in STEP_PARTS.values())
+        row("mean step time", f"{split['step']:.1f} s ({parts})")
+        lines.extend(_accounting_rows(steps))
     for e in evals:
         row(f"pass@1 ({e.get('stage', 'eval')})", f"{e['pass_at_1']:.1%} over {e.get('tasks', '?')} tasks")
     if trajectories:
@@ -134,6 +169,45 @@ def _summary(steps: list[dict[str, Any]], trajectories: list[dict[str, Any]], ev
         total = [t.get("timings", {}).get("total_s", 0.0) for t in trajectories]
         row("median trajectory time", f"{statistics.median(total):.1f} s")
     return "\n".join(lines) + "\n"
+
+
+def step_split(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step of each part (by its label) and of the whole step."""
+    means = {
+        label: sum(s.get("timings", {}).get(part, 0.0) for s in steps) / max(1, len(steps))
+        for part, label in STEP_PARTS.items()
+    }
+    return {**means, "step": sum(means.values())}
+
+
+def _accounting_rows(steps: list[dict[str, Any]]) -> list[str]:
+    """Where every group drawn went, from the running totals of the last step."""
+    totals = steps[-1].get("accounting")
+    if totals is None:
+        return []
+    discarded = totals["discarded"]
+    balance = totals["trained"] + sum(discarded.values()) + totals["pending"]
+    holds = "holds" if balance == totals["drawn"] else f"BROKEN: {balance} accounted for"
+    reasons = ", ".join(f"{k.removeprefix('groups_')} {v}" for k, v in sorted(discarded.items())) or "none"
+    wasted = [s.get("episodes_discarded", 0) for s in steps]
+    return [
+        f"| groups drawn | {totals['drawn']} = trained {totals['trained']} + set aside {sum(discarded.values())} "
+        f"+ pending {totals['pending']} ({holds}) |",
+        f"| groups set aside, by reason | {reasons} |",
+        f"| episodes thrown away (set-aside groups) | {totals['episodes_discarded']} in all; per step median "
+        f"{statistics.median(wasted):g}, max {max(wasted)} |",
+    ]
+
+
+def compare_step_split(run_dirs: list[str | Path]) -> str:
+    """A markdown table of the step-time split of several runs, side by side (mean seconds per step)."""
+    splits = [step_split(read_events(d, "step")) for d in run_dirs]
+    head = ["part", *(str(d) for d in run_dirs)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in [*STEP_PARTS.values(), "step"]:
+        cells = [f"{split[label]:.2f} s ({split[label] / (split['step'] or 1.0):.0%})" for split in splits]
+        lines.append(f"| {'whole step' if label == 'step' else label} | " + " | ".join(cells) + " |")
+    return "\n".join(["# Step-time split, mean per step", "", *lines]) + "\n"
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -1,9 +1,10 @@
 """Shared by the pipeline tests: the run configuration of a tiny run, and the bookkeeping checks
-every GRPO run must pass (no trajectory lost or counted twice, infrastructure failures never
-scored and never trained on)."""
+every GRPO run must pass (every group drawn accounted for, no trajectory lost or counted twice,
+infrastructure failures never scored and never trained on)."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -58,6 +59,48 @@ def run_config(tmp_path: Path, *, steps: int, sft: bool = True, changes: Mapping
     return merged(config, changes)
 
 
+def check_group_accounting(run_dir: str | Path) -> dict[str, Any]:
+    """The accounting identity of a run's GRPO stage; returns the final running totals.
+
+    At every step, every group drawn is trained, set aside with a reason, or pending:
+    `drawn == trained + sum(discarded) + pending`. The totals change from step to step by exactly
+    the groups the step closed (its `groups`, `groups_*` counts and `group_outcomes`), every group
+    closes once over the whole run (resumes included), each trajectory logged belongs to a group its
+    step closed, and the groups still pending at the end are those the last checkpoint records.
+    """
+    totals: dict[str, Any] = {"drawn": 0, "trained": 0, "discarded": {}, "pending": 0, "episodes_discarded": 0}
+    closed: list[int] = []
+    trajectories: dict[int, set[int]] = defaultdict(set)
+    for event in read_events(run_dir, "trajectory"):
+        if event["stage"] == "grpo":
+            trajectories[event["step"]].add(event["group"])
+    for step in read_events(run_dir, "step"):
+        now = step["accounting"]
+        assert now["drawn"] == now["trained"] + sum(now["discarded"].values()) + now["pending"], now
+        assert all(n >= 0 for n in (now["pending"], *now["discarded"].values())), now
+        outcomes = Counter(outcome for _, _, outcome in step["group_outcomes"])
+        assert now["trained"] - totals["trained"] == step["groups"] == outcomes.pop("trained", 0), step
+        for reason in {*now["discarded"], *totals["discarded"], *outcomes}:
+            change = now["discarded"].get(reason, 0) - totals["discarded"].get(reason, 0)
+            assert change == step.get(reason, 0) == outcomes.get(reason, 0), (reason, step)
+        assert now["episodes_discarded"] - totals["episodes_discarded"] == step["episodes_discarded"]
+        assert trajectories[step["step"]] <= {serial for serial, _, _ in step["group_outcomes"]}
+        closed += [serial for serial, _, _ in step["group_outcomes"]]
+        totals = now
+    assert len(closed) == len(set(closed)), "a group was closed twice"
+    state = json.loads((Path(run_dir) / "state.json").read_text())
+    if state["rollout"] is not None:
+        assert state["rollout"]["drawn"] == totals["drawn"] and len(state["pending"]) == totals["pending"]
+    return totals
+
+
+def drawn_task_ids(run_dir: str | Path) -> Counter[str]:
+    """The tasks of every group a run drew, with multiplicity: those it closed and those still pending."""
+    closed = [task for step in read_events(run_dir, "step") for _, task, _ in step["group_outcomes"]]
+    state = json.loads((Path(run_dir) / "state.json").read_text())
+    return Counter([*closed, *state["pending"]])
+
+
 def check_grpo_accounting(
     run_dir: Path, *, steps: int, trained: Sequence[Sequence[Sample]] | None = None, on_policy: bool = False
 ) -> dict[int, list[dict[str, Any]]]:
@@ -73,6 +116,7 @@ def check_grpo_accounting(
     """
     steps_logged = read_events(run_dir, "step")
     assert [s["step"] for s in steps_logged] == list(range(1, steps + 1))
+    check_group_accounting(run_dir)
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for event in read_events(run_dir, "trajectory"):
         if event["stage"] == "grpo":

@@ -100,7 +100,7 @@ def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
     assert "| training steps | 6 |" in summary
     assert "pass@1 (grpo) | 30.0% over 10 tasks" in summary
     assert "sandbox_lost 1" in summary
-    assert "actor_update 64%" in summary
+    assert "training 71%" in summary  # of 3 + 1 + 0.2 s: the old, always-0 log-prob recompute is left out
     assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["kind"] == "run"
 
 
@@ -109,3 +109,26 @@ def test_report_on_a_missing_run_is_a_clear_error(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "run directory" in result.output
+
+
+def test_report_checks_the_group_accounting_and_compares_step_splits(tmp_path: Path) -> None:
+    from patchgym.cli import app
+
+    runs = []
+    for name, pending in (("balanced", 2), ("broken", 3)):
+        run = tmp_path / name
+        log = EventLog(run)
+        discarded = {"groups_stale": 1, "groups_cancelled_stale": 2}
+        timings = {"actor_update_s": 2.0, "rollout_wait_s": 1.0, "weight_sync_s": 0.5, "orchestration_s": 0.5}
+        totals = {"drawn": 9, "trained": 4, "discarded": discarded, "pending": pending, "episodes_discarded": 10}
+        log.emit("step", step=1, timings=timings, episodes_discarded=10, accounting=totals)
+        log.close()
+        runs.append(run)
+    result = CliRunner().invoke(app, ["report", *map(str, runs)])
+    assert result.exit_code == 0, result.output
+    balanced = (runs[0] / "report" / "summary.md").read_text()
+    assert "| groups drawn | 9 = trained 4 + set aside 3 + pending 2 (holds) |" in balanced
+    assert "cancelled_stale 2, stale 1" in balanced and "10 in all" in balanced
+    assert "BROKEN: 10 accounted for" in (runs[1] / "report" / "summary.md").read_text()
+    output = " ".join(result.output.split())
+    assert f"| part | {runs[0]} | {runs[1]} |" in output and "| generation | 1.00 s (25%) | 1.00 s (25%) |" in output

@@ -30,7 +30,7 @@ from tests.faults import (
     ScriptedFirstTurns,
     SGLangFront,
 )
-from tests.pipeline_support import check_grpo_accounting, merged, run_config
+from tests.pipeline_support import check_group_accounting, check_grpo_accounting, merged, run_config
 
 pytestmark = pytest.mark.usefixtures("train_extra")
 
@@ -240,4 +240,25 @@ async def test_engine_restart_between_steps_is_survived_by_the_weight_sync(
     assert parts.trainer is not None
     check_grpo_accounting(config.run_dir, steps=2, trained=parts.trainer.batches, on_policy=True)
     assert [s["infra_errors_by_kind"] for s in step_metrics(config)] == [{}, {}]
+    check_end(config, parts)
+
+
+async def test_every_group_is_accounted_for_with_oversampling_cancels_and_a_lost_sandbox(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    # Two groups run for each one-group step (oversampling); the group of sandbox 0 loses it without a
+    # retry, so it is set aside as too few valid, or as too stale for sync mode if the step's weights are
+    # published first (cancelled while running, or finished and waiting: timing decides). Either way
+    # every group drawn ends in one place.
+    parts = Parts(tmp_path, SandboxFaults(lose={0}))
+    rollout = {"oversample_groups": 1, "min_valid_members": 2, "max_infra_retries": 0}
+    config = fault_config(tmp_path, tiny_model_dir, steps=3, changes={"grpo": {"rollout": rollout}})
+    await run(config)
+    assert parts.faults.lost == [0] and parts.trainer is not None
+    check_grpo_accounting(config.run_dir, steps=3, trained=parts.trainer.batches, on_policy=True)
+    totals = check_group_accounting(config.run_dir)
+    assert totals["trained"] == 3 and totals["drawn"] == 3 + sum(totals["discarded"].values()) + totals["pending"]
+    (lost,) = [t for t in read_events(config.run_dir, "trajectory") if t["infra_error"]]
+    assert lost["discarded"] in ("groups_too_few_valid", "groups_cancelled_stale", "groups_stale")
+    assert totals["discarded"][lost["discarded"]] >= 1 and totals["episodes_discarded"] >= 2
     check_end(config, parts)

@@ -7,6 +7,11 @@ isolation: one that fails is reported (`patchgym plugins`) and the rest keep wor
 plugins registering the same name make that name an error that names both. Environment:
 `PATCHGYM_DISABLE_PLUGINS=a,b` blocks plugins; `PATCHGYM_PLUGINS=a,b` loads only those
 third-party plugins. A name of the form "module:attr" resolves without any registration.
+
+Each registration has an options model (pydantic): the one given as `register(..., options=Model)`,
+else one read from the factory's signature (names, types, defaults). `Registry.check` validates a
+part's options against it without building anything, and errors list the valid options
+(`patchgym plugins --options NAME` shows them).
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import os
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
 import pluggy
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from patchgym.core.errors import ConfigError, PluginError
 
@@ -61,7 +67,8 @@ Register = Callable[..., None]
 
 
 class HookSpecs:
-    """Registrar hooks. Each receives `register(name, factory, description="")`."""
+    """Registrar hooks. Each receives `register(name, factory, description="", options=None)`; `options`
+    is a pydantic model of the factory's keyword options (default: read from its signature)."""
 
     @hookspec
     def register_task_sets(self, register: Register) -> None:
@@ -87,6 +94,11 @@ class Registration:
     factory: Callable[..., Any]
     plugin: str
     description: str = ""
+    options: type[BaseModel] | None = None
+
+    def options_model(self) -> type[BaseModel]:
+        """The declared options model, else one derived from the factory's signature."""
+        return self.options or options_model_of(self.factory, f"{self.name}-options")
 
 
 @dataclass
@@ -190,10 +202,12 @@ class Registry:
             return
         staged: list[Registration] = []
 
-        def register(name: str, factory: Callable[..., Any], description: str = "") -> None:
+        def register(
+            name: str, factory: Callable[..., Any], description: str = "", options: type[BaseModel] | None = None
+        ) -> None:
             if not isinstance(name, str) or not name or ":" in name:
                 raise PluginError(f"invalid {KIND_LABELS[kind]} name {name!r}: use a non-empty name without ':'")
-            staged.append(Registration(kind, name, factory, impl.plugin_name, description))
+            staged.append(Registration(kind, name, factory, impl.plugin_name, description, options))
 
         try:
             impl.function(register=register)
@@ -249,10 +263,14 @@ class Registry:
 
     def factory(self, kind: Kind, name: str) -> Callable[..., Any]:
         """The factory for `name`; "module:attr" is imported directly."""
+        return self.registration(kind, name).factory
+
+    def registration(self, kind: Kind, name: str) -> Registration:
+        """The registration of `name` (one made on the fly for "module:attr")."""
         if ":" in name:
             module, _, attr = name.partition(":")
             try:
-                return getattr(importlib.import_module(module), attr)
+                return Registration(kind, name, getattr(importlib.import_module(module), attr), module)
             except (ImportError, AttributeError) as exc:
                 raise ConfigError(f"cannot load {KIND_LABELS[kind]} {name!r}: {exc}") from exc
         self.load()
@@ -264,21 +282,84 @@ class Registry:
             raise ConfigError(f"unknown {KIND_LABELS[kind]} {name!r}; known: {known}{hint}")
         if len(regs) > 1:
             raise PluginError(self._conflict_message(regs))
-        return regs[0].factory
+        return regs[0]
+
+    def check(self, kind: Kind, name: str, options: dict[str, Any]) -> None:
+        """Check that `name` exists and takes `options` (names, required ones, types), building nothing."""
+        registration = self.registration(kind, name)
+        model = registration.options_model()
+        try:
+            model.model_validate(options)
+        except ValidationError as exc:
+            raise ConfigError(_options_error(kind, name, model, exc)) from None
 
     def create(self, kind: Kind, name: str, **options: Any) -> Any:
         """Build the named part with `options`; options its factory does not take are a `ConfigError`."""
-        factory = self.factory(kind, name)
+        registration = self.registration(kind, name)
         try:
-            signature = inspect.signature(factory)
+            signature = inspect.signature(registration.factory)
         except (TypeError, ValueError):  # not introspectable: let the call decide
             signature = None
         if signature is not None:
             try:
                 signature.bind(**options)
             except TypeError as exc:
-                raise ConfigError(f"invalid options for {KIND_LABELS[kind]} {name!r}: {exc}") from exc
-        return factory(**options)
+                valid = describe_options(registration.options_model())
+                raise ConfigError(f"invalid options for {KIND_LABELS[kind]} {name!r}: {exc}; {valid}") from exc
+        return registration.factory(**options)
+
+
+def _target(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """What to read type hints from: the class's `__init__`, a lazy factory's target, or the factory."""
+    if isinstance(factory, LazyFactory):
+        factory = factory.load()
+    return factory.__init__ if inspect.isclass(factory) else factory  # type: ignore[misc]
+
+
+def options_model_of(factory: Callable[..., Any], model_name: str) -> type[BaseModel]:
+    """A pydantic model of a factory's keyword options, from its signature: unknown names are errors
+    (unless it takes `**kwargs`), required ones must be given, and values must fit the annotations."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return create_model(model_name, __config__=ConfigDict(extra="allow"))
+    try:
+        hints = get_type_hints(_target(factory))
+    except Exception:  # unresolvable annotations: check names only
+        hints = {}
+    fields: dict[str, Any] = {}
+    extra: Literal["allow", "forbid"] = "forbid"
+    for p in parameters:
+        if p.kind is p.VAR_KEYWORD:
+            extra = "allow"
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            fields[p.name] = (hints.get(p.name, Any), ... if p.default is p.empty else p.default)
+    config = ConfigDict(extra=extra, arbitrary_types_allowed=True, protected_namespaces=())
+    try:
+        return create_model(model_name, __config__=config, **fields)
+    except Exception:  # an annotation pydantic cannot check: check names and required ones only
+        untyped = {k: (Any, default) for k, (_, default) in fields.items()}
+        return create_model(model_name, __config__=config, **untyped)
+
+
+def describe_options(model: type[BaseModel]) -> str:
+    """One line naming every option of `model`, with its default."""
+    parts = []
+    for name, info in model.model_fields.items():
+        parts.append(name if info.is_required() else f"{name}={info.default!r}")
+    more = " (and any other keyword)" if model.model_config.get("extra") == "allow" else ""
+    return f"valid options: {', '.join(parts) or '(none)'}{more}"
+
+
+def _options_error(kind: Kind, name: str, model: type[BaseModel], exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        message = {"extra_forbidden": "unknown option", "missing": "required option, not given"}.get(
+            error["type"], error["msg"]
+        )
+        problems.append(f"{where}: {message}")
+    return f"invalid options for {KIND_LABELS[kind]} {name!r}: {'; '.join(problems)}; {describe_options(model)}"
 
 
 class LazyFactory:

@@ -1,9 +1,13 @@
 """The rollout manager: runs GRPO groups of episodes and hands finished groups to the trainer.
 
 One event loop drives every trajectory. Which groups may start is decided by one rule, capacity
-gating on policy versions (as in AReaL): with `B` groups per batch and policy version `v`, at
-most `(v + 1 + max_staleness) * B + oversample_groups` groups may have been started in total,
-and at most `concurrency` trajectories run at once. So:
+gating on policy versions (as in AReaL), counted from the version `v0` the manager started at
+(the stage's first version, or the resumed one): with `B` groups per batch and policy version
+`v`, at most `(v - v0 + 1 + max_staleness) * B + oversample_groups` groups may have been started
+since (groups set aside give their place back), never more than the window
+`(1 + max_staleness) * B + oversample_groups` beyond the groups consumed (a jump of several
+versions admits no more than one batch does), and at most `concurrency` trajectories run at
+once. So, whatever version a stage or a resume starts at:
 
 - `sync` is `max_staleness = 0`: the next batch starts only after the trainer published the
   weights it trained on the last one;
@@ -16,6 +20,12 @@ still running that could no longer be used (too stale) are cancelled. A group me
 in an infrastructure error is retried up to `max_infra_retries` times and otherwise excluded
 from the group (never scored 0). Groups whose valid members all got the same reward are handled
 by `zero_variance` (keep, drop, or resample the task).
+
+Every group drawn ends in exactly one place (`GroupTally`): trained, set aside with its reason
+(`groups_cancelled_stale`: still running when it became too stale; `groups_stale`: finished too
+stale; `groups_too_few_valid`; `groups_zero_variance_*`), or pending (running, or finished and
+not yet consumed). A checkpoint records the tally and the pending tasks, and a resumed manager
+restarts those tasks first without counting them as new draws.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import asyncio
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,6 +83,8 @@ class Group:
 
     task: Task
     start_version: int
+    serial: int = 0
+    """Unique within a run (a resumed run continues the count): names the group in the event log."""
     members: list[Trajectory] = field(default_factory=list)
     excluded: list[Trajectory] = field(default_factory=list)
     retried: list[Trajectory] = field(default_factory=list)
@@ -81,6 +93,8 @@ class Group:
     finish_times: list[float] = field(default_factory=list)
     discarded: str | None = None
     """Why the group was not trained on (a `groups_*` counter name), if it was not."""
+    episodes: int = 0
+    """Episodes started for this group (retries included): the work lost if it is set aside."""
 
     @property
     def rewards(self) -> list[float]:
@@ -92,6 +106,47 @@ class Group:
 
 
 @dataclass
+class GroupTally:
+    """Where every group drawn went: `drawn == trained + sum(discarded.values()) + pending`."""
+
+    drawn: int = 0
+    trained: int = 0
+    discarded: Counter[str] = field(default_factory=Counter)
+    """Groups set aside, by reason (a `groups_*` name)."""
+    episodes_discarded: int = 0
+    """Episodes started for the groups set aside: rollout compute thrown away."""
+    restarted: int = 0
+    """Pending groups started again by a resumed run (not new draws)."""
+
+    @property
+    def pending(self) -> int:
+        """Groups drawn and not yet trained on or set aside (running, or finished and waiting)."""
+        return self.drawn - self.trained - sum(self.discarded.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """The running totals, as each step event carries them."""
+        return {**self.state_dict(), "pending": self.pending}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "drawn": self.drawn,
+            "trained": self.trained,
+            "discarded": dict(self.discarded),
+            "episodes_discarded": self.episodes_discarded,
+            "restarted": self.restarted,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> GroupTally:
+        counts = (state["drawn"], state["trained"], Counter(state["discarded"]), state["episodes_discarded"])
+        return cls(*counts, state.get("restarted", 0))
+
+    def next_serial(self) -> int:
+        """A number for the next group started: one more than all groups started so far, over resumes."""
+        return self.drawn + self.restarted
+
+
+@dataclass
 class Batch:
     """What the trainer consumes for one step, with the rollout metrics of that step."""
 
@@ -99,19 +154,39 @@ class Batch:
     version: int
     metrics: dict[str, Any]
     discarded: list[Group] = field(default_factory=list)
-    """Groups set aside since the previous batch (see `Group.discarded`), so that they can be logged."""
+    """Groups set aside since the previous batch (see `Group.discarded`), so that they can be logged;
+    `RolloutManager.settle` adds those set aside while the batch was trained on."""
 
 
 class RolloutManager:
     """Schedules groups under capacity gating and yields batches; see the module docstring."""
 
-    def __init__(self, tasks: Iterator[Task], run_episode: EpisodeFn, config: RolloutConfig | None = None) -> None:
+    def __init__(
+        self,
+        tasks: Iterator[Task],
+        run_episode: EpisodeFn,
+        config: RolloutConfig | None = None,
+        *,
+        version: int = 0,
+        tally: GroupTally | None = None,
+        restart: Iterable[Task] = (),
+        resample: Iterable[Task] = (),
+    ) -> None:
+        """`version`: the policy version generation starts at. A resumed manager takes the `tally`
+        of the checkpoint, the tasks of its pending groups (`restart`: started first, already
+        counted as drawn) and the tasks still queued for `zero_variance: resample`."""
         self.config = config or RolloutConfig()
         self._tasks = tasks
-        self._resample: deque[Task] = deque()
+        self._restart: deque[Task] = deque(restart)
+        self._resample: deque[Task] = deque(resample)
         self._run_episode = run_episode
-        self.version = 0
-        self._started_groups = 0
+        self.version = version
+        self._base_version: int | None = None  # fixed when generation starts: gating counts from it
+        self.tally = tally or GroupTally(drawn=len(self._restart))
+        if self.tally.pending != len(self._restart):
+            raise ValueError(f"the tally has {self.tally.pending} pending groups but {len(self._restart)} restart")
+        self._started_groups = 0  # since the base version, less those set aside
+        self._consumed = 0  # groups handed to the trainer since the base version
         self._slots = asyncio.Semaphore(self.config.concurrency)
         # None: no group will come any more; an exception: an episode failed other than by an infra error
         self._ready: asyncio.Queue[Group | Exception | None] = asyncio.Queue()
@@ -120,27 +195,35 @@ class RolloutManager:
         self._wake = asyncio.Event()
         self._producer: asyncio.Task[None] | None = None
         self._tasks_done = False
-        self._counters: Counter[str] = Counter()
-        self._infra_kinds: Counter[str] = Counter()
+        self._counters = self.tally.discarded  # groups set aside, by reason
         self._discarded: list[Group] = []
 
     # -- producer ------------------------------------------------------------------------
     def _capacity(self) -> int:
         c = self.config
-        budget = (self.version + 1 + c.staleness) * c.batch_groups + c.oversample_groups
-        return budget - self._started_groups
+        assert self._base_version is not None
+        window = (1 + c.staleness) * c.batch_groups + c.oversample_groups
+        by_version = (self.version - self._base_version) * c.batch_groups + window - self._started_groups
+        by_consumption = window - (self._started_groups - self._consumed)
+        return min(by_version, by_consumption)
 
     def _next_task(self) -> Task | None:
-        if self._resample:
-            return self._resample.popleft()
-        task = next(self._tasks, None)
+        if self._restart:
+            self.tally.restarted += 1  # drawn by the run that started it first
+            return self._restart.popleft()
+        task = self._resample.popleft() if self._resample else next(self._tasks, None)
         self._tasks_done = task is None
+        self.tally.drawn += task is not None
         return task
 
     async def _produce(self) -> None:
         while True:
-            while self._capacity() > 0 and (task := self._next_task()) is not None:
-                group = Group(task, start_version=self.version, started_at=time.perf_counter())
+            while self._capacity() > 0:
+                serial = self.tally.next_serial()
+                task = self._next_task()
+                if task is None:
+                    break
+                group = Group(task, self.version, serial, started_at=time.perf_counter())
                 self._started_groups += 1
                 self._unconsumed[id(group)] = group
                 runner = asyncio.create_task(self._run_group(group))
@@ -150,40 +233,40 @@ class RolloutManager:
             await self._wake.wait()
 
     def _signal_if_finished(self) -> None:
-        if self._tasks_done and not self._resample and not self._running:
+        if self._tasks_done and not self._restart and not self._resample and not self._running:
             self._ready.put_nowait(None)
 
     async def _run_group(self, group: Group) -> None:
         try:
-            results = await asyncio.gather(*(self._run_member(group) for _ in range(self.config.group_size)))
+            await asyncio.gather(*(self._run_member(group) for _ in range(self.config.group_size)))
         except Exception as exc:  # a bug, not an infra fault (those are data): the consumer raises it
             self._ready.put_nowait(exc)
             return
         finally:
             self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-        for trajectory in results:
-            (group.excluded if trajectory.infra_error else group.members).append(trajectory)
         group.finished_at = time.perf_counter()
         self._ready.put_nowait(group)
         self._signal_if_finished()
 
-    async def _run_member(self, group: Group) -> Trajectory:
+    async def _run_member(self, group: Group) -> None:
+        """One member, retried after infra errors; it joins the group as it ends (so a group cancelled
+        midway still shows the episodes it finished)."""
         for attempt in range(self.config.max_infra_retries + 1):
             async with self._slots:
+                group.episodes += 1
                 trajectory = await self._run_episode(group.task)
             group.finish_times.append(time.perf_counter())
             if trajectory.infra_error is None:
-                return trajectory
-            self._infra_kinds[str(trajectory.infra_error.get("kind", "infra"))] += 1
+                group.members.append(trajectory)
+                return
             if attempt < self.config.max_infra_retries:
-                self._counters["infra_retries"] += 1
                 group.retried.append(trajectory)
-        self._counters["members_excluded"] += 1
-        return trajectory
+        group.excluded.append(trajectory)
 
     # -- consumer ------------------------------------------------------------------------
     def start(self) -> None:
         if self._producer is None:
+            self._base_version = self.version
             self._producer = asyncio.create_task(self._produce())
 
     async def next_batch(self) -> Batch | None:
@@ -192,7 +275,6 @@ class RolloutManager:
         waited = time.perf_counter()
         groups: list[Group] = []
         counters_before = Counter(self._counters)
-        infra_before = Counter(self._infra_kinds)
         discarded = 0
         while len(groups) < self.config.batch_groups:
             group = await self._ready.get()
@@ -203,6 +285,8 @@ class RolloutManager:
                 raise group
             if self._usable(group):
                 self._unconsumed.pop(id(group), None)
+                self.tally.trained += 1
+                self._consumed += 1
                 groups.append(group)
                 continue
             discarded += 1
@@ -215,9 +299,11 @@ class RolloutManager:
                 )
         if not groups:
             return None
-        metrics = self._metrics(groups, time.perf_counter() - waited, counters_before, infra_before)
-        discarded, self._discarded = self._discarded, []
-        return Batch(groups, self.version, metrics, discarded)
+        set_aside, self._discarded = self._discarded, []
+        metrics = self._metrics(groups, time.perf_counter() - waited)
+        batch = Batch(groups, self.version, metrics, set_aside)
+        batch.metrics.update(_outcomes(batch))
+        return batch
 
     def _usable(self, group: Group) -> bool:
         if self.version - group.start_version > self.config.staleness:
@@ -234,6 +320,7 @@ class RolloutManager:
         """Count why a group is not used and give its place back to a new group."""
         self._unconsumed.pop(id(group), None)
         self._counters[reason] += 1
+        self.tally.episodes_discarded += group.episodes
         group.discarded = reason
         self._discarded.append(group)
         self._started_groups -= 1
@@ -246,6 +333,19 @@ class RolloutManager:
         A checkpoint records their tasks so that a resumed run starts them again.
         """
         return list(self._unconsumed.values())
+
+    def queued_tasks(self) -> list[Task]:
+        """Tasks waiting for a group of their own: a checkpoint records them beside the pending groups."""
+        return [*self._restart, *self._resample]
+
+    def settle(self, batch: Batch) -> dict[str, Any]:
+        """Close the books of `batch`'s step, after `publish`: the groups set aside meanwhile (cancelled
+        stragglers) join `batch.discarded`, so the step logs every group it closed, and `batch.metrics`
+        counts them. Returns the running totals (`GroupTally.as_dict`)."""
+        batch.discarded += self._discarded
+        self._discarded = []
+        batch.metrics.update(_outcomes(batch))
+        return self.tally.as_dict()
 
     def publish(self, version: int) -> None:
         """The trainer has published `version`: admit new groups and cancel hopeless stragglers."""
@@ -267,9 +367,7 @@ class RolloutManager:
         await asyncio.gather(*runners, return_exceptions=True)
 
     # -- metrics -------------------------------------------------------------------------
-    def _metrics(
-        self, groups: list[Group], wait_s: float, counters_before: Counter[str], infra_before: Counter[str]
-    ) -> dict[str, Any]:
+    def _metrics(self, groups: list[Group], wait_s: float) -> dict[str, Any]:
         trajectories = [t for g in groups for t in g.members]
         finishes = sorted(f for g in groups for f in g.finish_times)
         begin = min(g.started_at for g in groups)
@@ -288,7 +386,19 @@ class RolloutManager:
             "staleness_max": max(self.version - g.start_version for g in groups),
             "tail_share_after_90pct": (end - t90) / (end - begin) if end > begin else 0.0,
             "terminations": dict(Counter(t.termination or "none" for t in trajectories)),
-            "infra_errors_by_kind": dict(self._infra_kinds - infra_before),  # since the previous batch
-            **{k: self._counters[k] - counters_before[k] for k in self._counters},
             "limits": self.config.model_dump(),
         }
+
+
+def _outcomes(batch: Batch) -> dict[str, Any]:
+    """What happened to the groups of one step (trained and set aside): counts by reason, and the
+    episodes lost to the infrastructure, exactly those the step logs."""
+    groups = [*batch.groups, *batch.discarded]
+    lost = [t for g in groups for t in (*g.retried, *g.excluded)]
+    return {
+        **Counter(g.discarded for g in batch.discarded if g.discarded),
+        "episodes_discarded": sum(g.episodes for g in batch.discarded),
+        "infra_retries": sum(len(g.retried) for g in groups),
+        "members_excluded": sum(len(g.excluded) for g in groups),
+        "infra_errors_by_kind": dict(Counter(str((t.infra_error or {}).get("kind", "infra")) for t in lost)),
+    }

@@ -129,6 +129,9 @@ class RunConfig(_Strict):
     grpo: GRPOConfig = GRPOConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint_every: int = Field(5, ge=1, description="GRPO steps between checkpoints")
+    progress_interval_s: float = Field(
+        30.0, gt=0, description="seconds between progress lines when the output is not a terminal (a log file)"
+    )
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")

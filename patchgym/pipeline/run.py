@@ -9,14 +9,16 @@ the run directory holds the event log, checkpoints and `state.json`; `--resume` 
 run after a crash or SIGKILL from its last checkpoint: finished stages are skipped, GRPO
 continues at the checkpointed step with the same task order, groups that were running at the
 checkpoint are started again, and events written after the checkpoint are dropped before the
-work is redone: no trajectory is trained on twice or lost, and none is logged twice.
+work is redone: no trajectory is trained on twice or lost, and none is logged twice. A resume
+first removes the sandboxes the killed process left (found by the run's label, see
+pipeline/sandboxes.py). Every name and option of the configuration is checked (`check_config`)
+before anything is written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import shutil
 import time
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from patchgym.core.batch import Sample, TrainBatch
@@ -35,22 +37,37 @@ from patchgym.core.inference import Generation, SamplingParams
 from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
 from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, read_events, truncate_events
 from patchgym.core.plugins import registry
-from patchgym.core.rollout import Batch, RolloutManager
+from patchgym.core.rollout import Batch, GroupTally, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
 from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
 from patchgym.pipeline.config import RunConfig, TraceSource
+from patchgym.pipeline.progress import stage_progress
+from patchgym.pipeline.sandboxes import RunLabelledBackend
+from patchgym.pipeline.state import STATE_FILE, RunState
 from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces, trace_files
 
-STATE_FILE = "state.json"
 SUBMIT_MESSAGE = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"
 
 
-def _progress(console: Console) -> Progress:
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, transient=True)
+def check_config(config: RunConfig) -> None:
+    """Every registered name and its options, and every trace path, checked before anything is
+    written or built: a mistake is a `ConfigError` at once, not after the base evaluation."""
+    reg = registry()
+    model = {"model": config.model.path or "<model-init>"}
+    reg.check("task_set", config.tasks.train.name, config.tasks.train.options)
+    reg.check("task_set", config.tasks.eval.name, config.tasks.eval.options)
+    reg.check("sandbox", config.sandbox.name, config.sandbox.options)
+    reg.check("trainer", config.trainer.name, {**model, **config.trainer.options})
+    reg.check("inference", config.inference.name, {**model, **config.inference.options})
+    if config.model.path is not None and not Path(config.model.path).is_dir():
+        raise ConfigError(f"model.path {config.model.path!r} is not a folder (a Hugging Face model)")
+    if config.sft.enabled:
+        for source in config.sft.traces:
+            if source.path is not None:
+                trace_files(source.path)
 
 
 class OraclePolicy:
@@ -96,13 +113,11 @@ def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
 class TaskStream:
     """An endless, seeded stream of train tasks (a fresh shuffle per epoch) that counts its draws."""
 
-    def __init__(self, tasks: list[Task], seed: int, skip: int = 0, pending: Sequence[str] = ()) -> None:
-        self._by_id = {t.id: t for t in tasks}
-        self._pending = [self._by_id[i] for i in pending]
+    def __init__(self, tasks: list[Task], seed: int, skip: int = 0) -> None:
         self._order = self._epochs(tasks, seed)
-        self.drawn = 0
-        for _ in range(skip):
-            next(self)
+        self.drawn = skip
+        for _ in range(skip):  # the draws of the run this one resumes
+            next(self._order)
 
     @staticmethod
     def _epochs(tasks: list[Task], seed: int) -> Iterator[Task]:
@@ -115,8 +130,6 @@ class TaskStream:
         return self
 
     def __next__(self) -> Task:
-        if self._pending:
-            return self._pending.pop(0)
         self.drawn += 1
         return next(self._order)
 
@@ -129,7 +142,7 @@ class Pipeline:
         self.run_dir = Path(config.run_dir)
         self.console = console or Console()
         self.state_path = self.run_dir / STATE_FILE
-        self.state: dict[str, Any] = {"stages_done": [], "grpo_step": 0, "version": 0, "tasks_drawn": 0, "pending": []}
+        self.state = RunState()
         self.results: dict[str, dict[str, float]] = {}
 
     # -- set-up ----------------------------------------------------------------------------
@@ -157,32 +170,36 @@ class Pipeline:
     async def _setup(self, resume: bool) -> None:
         from transformers import AutoTokenizer
 
+        check_config(self.config)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume and self.state_path.exists():
-            self.state.update(json.loads(self.state_path.read_text()))
-            truncate_events(self.run_dir, self.state.get("events_offset", 0))
+            self.state = RunState.load(self.state_path)
+            truncate_events(self.run_dir, self.state.events_offset)
             self.results = {e["stage"]: e for e in read_events(self.run_dir, "eval")}
         self.log = EventLog(self.run_dir, self._sinks())
-        self.log.emit("run", event="resume" if resume else "start", config=self.config.model_dump(), state=self.state)
-        if self.config.sft.enabled and "sft" not in self.state["stages_done"]:
-            for source in self.config.sft.traces:  # a wrong trace path fails now, not after the base evaluation
-                if source.path is not None:
-                    trace_files(source.path)
+        self.log.emit(
+            "run", event="resume" if resume else "start", config=self.config.model_dump(), state=self.state.state_dict()
+        )
+        self._save_state()  # the run's label is on record before its first sandbox starts
         model_path = self._model_path()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         reg = registry()
         c = self.config
         self.train_tasks: TaskSet = reg.create("task_set", c.tasks.train.name, **c.tasks.train.options)
         self.eval_tasks: TaskSet = reg.create("task_set", c.tasks.eval.name, **c.tasks.eval.options)
-        self.backend = reg.create("sandbox", c.sandbox.name, **c.sandbox.options)
+        self.backend = RunLabelledBackend(reg.create("sandbox", c.sandbox.name, **c.sandbox.options), self.state.run_id)
+        if resume:
+            reaped = await self.backend.reap_run()
+            self.log.emit("run", event="reaped", sandboxes=reaped)
         self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
         self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
         checkpoint = self.run_dir / "checkpoints" / "latest"
         if resume and checkpoint.exists():
             await self.trainer.load(checkpoint)
-            await self._sync_weights(self.state["version"])
+            await self._sync_weights(self.state.version)
 
     async def aclose(self) -> None:
+        await self.backend.reap_run()  # what a cancelled episode could not close (Ctrl-C, a failed stage)
         for part in (self.engine, self.trainer, self.backend):
             await part.aclose()
         self.log.close()
@@ -206,10 +223,8 @@ class Pipeline:
         return time.perf_counter() - started
 
     def _save_state(self) -> None:
-        self.state["events_offset"] = self.log.position()
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state))
-        tmp.replace(self.state_path)
+        self.state.events_offset = self.log.position()
+        self.state.save(self.state_path)
 
     async def _checkpoint(self) -> None:
         staging = self.run_dir / "checkpoints" / "staging"
@@ -224,7 +239,7 @@ class Pipeline:
         self._save_state()
 
     def _stage_done(self, stage: str) -> None:
-        self.state["stages_done"].append(stage)
+        self.state.stages_done.append(stage)
         self._save_state()
 
     # -- stages ------------------------------------------------------------------------------
@@ -233,19 +248,19 @@ class Pipeline:
         tasks = list(self.eval_tasks)[: c.limit]
         agent = self.config.agent.model_copy(update={"temperature": c.temperature})
         gate = asyncio.Semaphore(c.concurrency)
-        with _progress(self.console) as progress:
-            bar = progress.add_task(f"eval ({stage})", total=len(tasks) * c.attempts)
+        with self._progress() as progress:
+            bar = progress.add_task(f"eval ({stage})", total=len(tasks) * c.attempts, unit="episode")
 
             async def attempt(task: Task) -> Trajectory:
                 async with gate:
                     trajectory = await self._episode(task, self.engine, agent)
-                progress.advance(bar)
+                self.log.emit("trajectory", stage=f"eval-{stage}", **describe(trajectory))  # as it ends
+                progress.update(bar, advance=1, reward=trajectory.reward)
                 return trajectory
 
             runs = await asyncio.gather(*(attempt(t) for t in tasks for _ in range(c.attempts)))
         per_task: dict[str, list[float]] = {}
         for trajectory in runs:
-            self.log.emit("trajectory", stage=f"eval-{stage}", **describe(trajectory))
             if trajectory.trainable:
                 per_task.setdefault(trajectory.task_id, []).append(float(trajectory.resolved))
         scored = [rewards for rewards in per_task.values() if rewards]
@@ -257,7 +272,7 @@ class Pipeline:
             "infra_errors": sum(1 for t in runs if t.infra_error),
             **episode_stats(runs),
         }
-        self.log.emit("eval", stage=stage, step=self.state["grpo_step"], **result)
+        self.log.emit("eval", stage=stage, step=self.state.grpo_step, **result)
         self.results[stage] = result
         return result
 
@@ -272,7 +287,7 @@ class Pipeline:
         tasks = list(self.train_tasks)
         check_oracle_fits(tasks, self.config.env)
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        bar = progress.add_task("sft traces (oracle)", total=len(tasks))
+        bar = progress.add_task("sft traces (oracle)", total=len(tasks), unit="trace")
 
         policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end) for task in tasks}
         self._warn_unsayable(policies)
@@ -308,7 +323,7 @@ class Pipeline:
         cap = self._token_cap()
         samples: list[Sample] = []
         tallies: list[tuple[TraceSource, TraceTally]] = []
-        with _progress(self.console) as progress:
+        with self._progress() as progress:
             for source in cfg.traces:
                 tally = TraceTally()
                 if source.format == "oracle":
@@ -336,9 +351,9 @@ class Pipeline:
             await self.trainer.set_lr(cfg.lr)
         rng = random.Random(self.config.seed)
         steps = 0
-        with _progress(self.console) as progress:
+        with self._progress() as progress:
             per_epoch = -(-len(samples) // cfg.batch_size)
-            bar = progress.add_task("sft", total=per_epoch * cfg.epochs)
+            bar = progress.add_task("sft", total=per_epoch * cfg.epochs, unit="step")
             for _ in range(cfg.epochs):
                 rng.shuffle(samples)
                 for start in range(0, len(samples), cfg.batch_size):
@@ -348,78 +363,103 @@ class Pipeline:
                     steps += 1
                     self.log.emit("sft_step", step=steps, **metrics)
                     progress.advance(bar)
-        self.state["version"] += 1
-        await self._sync_weights(self.state["version"])
+        self.state.version += 1
+        await self._sync_weights(self.state.version)
+
+    def _progress(self) -> Progress:
+        return stage_progress(self.console, self.config.progress_interval_s)
 
     async def grpo(self) -> None:
         cfg = self.config.grpo
-        stream = TaskStream(list(self.train_tasks), self.config.seed, self.state["tasks_drawn"], self.state["pending"])
+        tasks = list(self.train_tasks)
+        stream = TaskStream(tasks, self.config.seed, self.state.tasks_drawn)
+        by_id = {t.id: t for t in tasks}
         engine, agent = self.engine, self.config.agent
-        manager = RolloutManager(stream, lambda task: self._episode(task, engine, agent), cfg.rollout)
-        manager.version = self.state["version"]
+        manager = RolloutManager(
+            stream,
+            lambda task: self._episode(task, engine, agent),
+            cfg.rollout,
+            version=self.state.version,
+            tally=GroupTally.from_state_dict(self.state.rollout) if self.state.rollout else None,
+            restart=[by_id[i] for i in self.state.pending],
+            resample=[by_id[i] for i in self.state.queued],
+        )
         loss = GRPOLoss(cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.tis_cap)
         if cfg.lr is not None:
             await self.trainer.set_lr(cfg.lr)
-        if cfg.reset_optimizer and self.state["grpo_step"] == 0:  # a resumed GRPO keeps its own moments
+        if cfg.reset_optimizer and self.state.grpo_step == 0:  # a resumed GRPO keeps its own moments
             await self.trainer.reset_optimizer()
+        self._step_end = time.perf_counter()
         try:
-            with _progress(self.console) as progress:
-                bar = progress.add_task("grpo", total=cfg.steps, completed=self.state["grpo_step"])
-                while self.state["grpo_step"] < cfg.steps:
+            with self._progress() as progress:
+                done = self.state.grpo_step
+                bar = progress.add_task("grpo", total=cfg.steps, completed=done, initial=done, unit="step")
+                while self.state.grpo_step < cfg.steps:
                     batch = await manager.next_batch()
                     if batch is None:
                         break
                     await self._train_on(batch, loss, manager, stream)
-                    progress.advance(bar)
+                    progress.update(bar, advance=1, reward=batch.metrics["reward_mean"])
         finally:
             await manager.aclose()
+
+    def _log_groups(self, batch: Batch) -> None:
+        """Every trajectory of the step's groups, trained or set aside (with the reason), once."""
+        for group in [*batch.groups, *batch.discarded]:
+            for trajectory in [*group.members, *group.excluded, *group.retried]:
+                extra = {"discarded": group.discarded} if group.discarded else {}
+                self.log.emit(
+                    "trajectory",
+                    stage="grpo",
+                    step=self.state.grpo_step,
+                    group=group.serial,
+                    **describe(trajectory),
+                    **extra,
+                )
 
     async def _train_on(self, batch: Batch, loss: GRPOLoss, manager: RolloutManager, stream: TaskStream) -> None:
         samples = []
         for group in batch.groups:
             advantages = group_advantages(group.rewards, normalize_std=self.config.grpo.loss.normalize_std)
             samples += [to_sample(t, a or 0.0) for t, a in zip(group.members, advantages, strict=True)]
-        for group in [*batch.groups, *batch.discarded]:
-            for trajectory in [*group.members, *group.excluded, *group.retried]:
-                extra = {"discarded": group.discarded} if group.discarded else {}
-                self.log.emit(
-                    "trajectory", stage="grpo", step=self.state["grpo_step"] + 1, **describe(trajectory), **extra
-                )
         started = time.perf_counter()
         metrics = await self.trainer.train_step(TrainBatch(samples, temperature=self.config.agent.temperature), loss)
         actor_s = time.perf_counter() - started
-        self.state["version"] += 1
-        sync_s = await self._sync_weights(self.state["version"])
-        manager.publish(self.state["version"])
-        self.state["grpo_step"] += 1
+        self.state.version += 1
+        sync_s = await self._sync_weights(self.state.version)
+        manager.publish(self.state.version)
+        self.state.grpo_step += 1
+        totals = manager.settle(batch)  # after publish: the stragglers it cancelled belong to this step
+        self._log_groups(batch)
         trajectories = [t for g in batch.groups for t in g.members]
+        now = time.perf_counter()
+        wall_s, self._step_end = now - self._step_end, now
+        timings = {"actor_update_s": actor_s, "rollout_wait_s": batch.metrics["rollout_wait_s"]}
+        timings["weight_sync_s"] = sync_s
         self.log.emit(
             "step",
-            step=self.state["grpo_step"],
-            timings={
-                "actor_update_s": actor_s,
-                "rollout_wait_s": batch.metrics["rollout_wait_s"],
-                "logprob_recompute_s": 0.0,
-                "weight_sync_s": sync_s,
-            },
+            step=self.state.grpo_step,
+            # orchestration: the rest of the step's wall time (batch assembly, logging, the loop itself)
+            timings={**timings, "orchestration_s": max(0.0, wall_s - sum(timings.values())), "step_s": wall_s},
             response_length_mean=sum(sum(t.loss_mask) for t in trajectories) / len(trajectories),
             **episode_stats(trajectories),
             trainer=metrics,
+            group_outcomes=[[g.serial, g.task.id, g.discarded or "trained"] for g in [*batch.groups, *batch.discarded]],
+            accounting=totals,
             **{k: v for k, v in batch.metrics.items() if k != "rollout_wait_s"},
         )
-        if (
-            self.state["grpo_step"] % self.config.checkpoint_every == 0
-            or self.state["grpo_step"] == self.config.grpo.steps
-        ):
-            self.state["tasks_drawn"] = stream.drawn
-            self.state["pending"] = [g.task.id for g in manager.pending_groups()]
+        if self.state.grpo_step % self.config.checkpoint_every == 0 or self.state.grpo_step == self.config.grpo.steps:
+            self.state.tasks_drawn = stream.drawn
+            self.state.pending = [g.task.id for g in manager.pending_groups()]
+            self.state.queued = [t.id for t in manager.queued_tasks()]
+            self.state.rollout = manager.tally.state_dict()
             await self._checkpoint()
 
     # -- the whole run -----------------------------------------------------------------------
     async def run(self, *, resume: bool = False) -> dict[str, dict[str, float]]:
         await self._setup(resume)
         try:
-            done = self.state["stages_done"]
+            done = self.state.stages_done
             if "eval-base" not in done:
                 await self.evaluate("base")
                 self._stage_done("eval-base")
@@ -443,7 +483,8 @@ class Pipeline:
         return self.results
 
     def _print_results(self) -> None:
-        columns = ("stage", "pass@1", "pass@k", "tasks", "commands", "submitted", "at turn cap")
+        k = self.config.eval.attempts
+        columns = ("stage", "pass@1", f"pass@{k}", "tasks", "commands", "submitted", "at turn cap")
         table = Table(*columns, title=f"held-out evaluation ({self.run_dir})")
         for stage, r in self.results.items():
             shape = [f"{r.get('commands_mean', 0.0):.2f}", f"{r.get('submit_rate', 0.0):.1%}"]

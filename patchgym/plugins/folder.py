@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from patchgym.core.errors import ConfigError
 from patchgym.core.grading import PROTECTED_FILE_NAMES, UNITTEST_COMMAND, TestCommandGrader
@@ -130,6 +130,19 @@ class FolderTaskSet(LoadedTaskSet):
         return [load_task(folder) for folder in folders]
 
 
+class EasyOptions(BaseModel):
+    """Options of the `easy` task set (patchgym/plugins/easy.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(64, ge=1, description="tasks to generate")
+    seed: int = Field(0, description="generator seed")
+    split: Literal["train", "eval"] = Field("train", description="train and eval never share a task")
+    cache_dir: str | None = Field(
+        None, description="where tasks are generated (default: $PATCHGYM_CACHE or the temp dir)"
+    )
+
+
 def tiny_task_set() -> FolderTaskSet:
     """Six small real Python projects with one bug each, shipped with patchgym."""
     return FolderTaskSet(TINY_TASKS, name="tiny")
@@ -142,7 +155,8 @@ def register_task_sets(register: Register) -> None:
     register(
         "easy",
         LazyFactory("patchgym.plugins.easy:easy_task_set"),
-        "generated one-line bugs spelled out in the issue (options: count, seed, split)",
+        "generated one-line bugs spelled out in the issue (the quickstart's)",
+        options=EasyOptions,
     )
     register(
         "locate",
