@@ -72,7 +72,9 @@ class Step(NamedTuple):
     """Episodes that ended while training."""
 
 
-async def train_loop(manager: RolloutManager, steps: int, train_s: float, sim: Sim, first_version: int = 0) -> list[Step]:
+async def train_loop(
+    manager: RolloutManager, steps: int, train_s: float, sim: Sim, first_version: int = 0
+) -> list[Step]:
     """Consume `steps` batches, training `train_s` on each, then publishing the next version."""
     out = []
     for step in range(steps):
