@@ -213,9 +213,13 @@ async def test_the_event_loop_keeps_running_while_the_model_works(engine: Embedd
 
     ticking = asyncio.create_task(ticker())
     params = SamplingParams(max_new_tokens=200, temperature=0)
+    started = loop.time()
     await asyncio.gather(*(engine.generate(prompt, params) for prompt in PROMPTS[:8]))
+    took = loop.time() - started
     ticking.cancel()
-    assert len(gaps) > 10 and max(gaps) < 1.0  # the model never holds the loop (a step is milliseconds)
+    # The model never holds the loop: no pause is more than a small part of the whole (a step is
+    # milliseconds; measured against the run's own length, so a slow machine slows both alike).
+    assert len(gaps) > 10 and max(gaps) < took / 4, (max(gaps), took)
 
 
 async def test_eos_stops_by_default(tiny_model_dir: Path, engine: EmbeddedEngine) -> None:
