@@ -31,11 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+R = TypeVar("R")
 
 MODULES: dict[str, list[str]] = {
     "core/grading.py": ["tests/test_grading.py", "tests/test_added_test_files.py", "-k", "local-none or folder"],
@@ -257,16 +260,26 @@ def run_tests(repo: Path, module: str, timeout_s: float) -> tuple[str, float]:
     env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("CI", None)
     started = time.monotonic()
+    process = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    RUNNING.add(process)
     try:
-        done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
+        returncode = process.wait(timeout_s)
     except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
         return "killed (timeout)", time.monotonic() - started
+    finally:
+        RUNNING.discard(process)
     seconds = time.monotonic() - started
-    if done.returncode == 0:
+    if returncode == 0:
         return "survived", seconds
-    if done.returncode != 5:  # tests failed, or the mutant broke collection or the conftest's imports
+    if returncode != 5:  # tests failed, or the mutant broke collection or the conftest's imports
         return "killed", seconds
     return "error (no tests ran)", seconds
+
+
+RUNNING: set[subprocess.Popen[bytes]] = set()
+"""Test runs in progress, stopped if the script is interrupted."""
 
 
 def changed_since(ref: str) -> list[str]:
@@ -313,18 +326,29 @@ def main() -> None:
         print("no module to mutate")
         return
 
+    mutants, baseline = run_all(modules, args)
+    report(mutants, baseline, args.out)
+
+
+def run_all(modules: list[str], args: argparse.Namespace) -> tuple[list[Mutant], dict[str, float]]:
     with tempfile.TemporaryDirectory(prefix="patchgym-mutants-") as tmp:
         repos = [copy_repository(Path(tmp) / f"worker{i}") for i in range(args.workers)]
-        baseline: dict[str, float] = {}
-        for module in modules:
-            outcome, seconds = run_tests(repos[0], module, timeout_s=1800)
+        free = list(repos)
+
+        def run_baseline(module: str) -> float:
+            repo = free.pop()
+            try:
+                outcome, seconds = run_tests(repo, module, timeout_s=1800)
+            finally:
+                free.append(repo)
             if outcome != "survived":
                 sys.exit(f"{module}: its tests fail without any mutant: fix them first ({MODULES[module]})")
-            baseline[module] = seconds
             print(f"baseline {module}: {seconds:.0f} s", flush=True)
+            return seconds
+
+        baseline = dict(zip(modules, in_parallel(run_baseline, modules, args.workers), strict=True))
         mutants = choose(modules, baseline, args)
         print(f"{len(mutants)} mutants over {len(modules)} modules, {args.workers} workers", flush=True)
-        free = list(repos)
 
         def run_one(mutant: Mutant) -> Mutant:
             repo = free.pop()
@@ -339,11 +363,22 @@ def main() -> None:
                 free.append(repo)
             return mutant
 
-        with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-            for done, mutant in enumerate(pool.map(run_one, mutants), 1):
-                print(f"[{done}/{len(mutants)}] {mutant.outcome:9} {mutant.describe()}", flush=True)
+        for done, mutant in enumerate(in_parallel(run_one, mutants, args.workers), 1):
+            print(f"[{done}/{len(mutants)}] {mutant.outcome:9} {mutant.describe()}", flush=True)
+    return mutants, baseline
 
-    report(mutants, baseline, args.out)
+
+def in_parallel(work: Callable[[T], R], items: Sequence[T], workers: int) -> Iterator[R]:
+    """`work` over `items` on `workers` threads, in order; on an interrupt, the test runs are stopped."""
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
+        yield from pool.map(work, items)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in list(RUNNING):
+            process.kill()
+        raise
+    pool.shutdown()
 
 
 def report(mutants: list[Mutant], baseline: dict[str, float], out: Path) -> None:
