@@ -67,7 +67,7 @@ def manager_for(sim: Sim, n_tasks: int, **config: object) -> RolloutManager:
 class Step(NamedTuple):
     batch: Batch
     pending: int
-    """Groups admitted beyond the batches handed out when training began: generation overlapping training."""
+    """Groups admitted beyond the batches handed out, while training: generation overlapping training."""
     ended: int
     """Episodes that ended while training."""
 
@@ -80,9 +80,9 @@ async def train_loop(
     for step in range(steps):
         batch = await asyncio.wait_for(manager.next_batch(), 60)
         assert batch is not None
-        pending, before = len(manager.pending_groups()), sim.finished
+        before = sim.finished
         await asyncio.sleep(train_s)  # no assertion depends on what this leaves time for
-        out.append(Step(batch, pending, sim.finished - before))
+        out.append(Step(batch, len(manager.pending_groups()), sim.finished - before))
         manager.publish(first_version + step + 1)
     await manager.aclose()
     return out
