@@ -151,7 +151,7 @@ class Mutator(ast.NodeTransformer):
                 self._site(node, f"{type(op).__name__} -> {swap.__name__}", make)
         return node
 
-    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+    def visit_BinOp(self, node: ast.BinOp | ast.AugAssign) -> ast.AST:
         self.generic_visit(node)
         swap = ARITHMETIC.get(type(node.op))
         if swap is not None:
@@ -159,13 +159,7 @@ class Mutator(ast.NodeTransformer):
             return self._site(node, what, lambda: _with_op(node, swap)) or node
         return node
 
-    def visit_AugAssign(self, node: ast.AugAssign) -> ast.AST:
-        self.generic_visit(node)
-        swap = ARITHMETIC.get(type(node.op))
-        if swap is not None:
-            what = f"{type(node.op).__name__}= -> {swap.__name__}="
-            return self._site(node, what, lambda: _with_op(node, swap)) or node
-        return node
+    visit_AugAssign = visit_BinOp  # type: ignore[assignment]  # x += 1 -> x -= 1
 
     def visit_BoolOp(self, node: ast.BoolOp) -> ast.AST:
         self.generic_visit(node)
