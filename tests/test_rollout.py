@@ -114,6 +114,9 @@ async def test_fully_async_respects_staleness_and_concurrency() -> None:
     manager = manager_for(sim, 200, mode="fully_async", max_staleness=2, group_size=4, batch_groups=2, concurrency=6)
     results = await train_loop(manager, 5, 0.02, sim)
     assert all(step.batch.metrics["staleness_max"] <= 2 for step in results)
+    for step in results:
+        lags = [step.batch.version - g.start_version for g in step.batch.groups]
+        assert step.batch.metrics["staleness_mean"] == pytest.approx(sum(lags) / len(lags))
     assert sim.peak <= 6
     assert results[-1].batch.metrics["limits"]["concurrency"] == 6
 
@@ -322,3 +325,22 @@ async def test_tail_share_is_the_time_the_last_tenth_of_episodes_held_the_batch(
 
     assert await tail_share(slow=1) > 0.9
     assert await tail_share(slow=2) < 0.5
+
+
+async def test_a_new_version_cancels_only_the_groups_it_makes_too_stale() -> None:
+    """With max_staleness 1 a straggler started at version 1 outlives version 2, not version 3."""
+    sim = Sim()
+    sim.duration = lambda task_id, attempt: 3600.0 if task_id == "t4" else 0.01  # t4 never ends in the test
+    manager = manager_for(sim, 40, mode="fully_async", max_staleness=1, group_size=2, batch_groups=2)
+    assert await asyncio.wait_for(manager.next_batch(), 60) is not None  # t0-t3 started at version 0
+    manager.publish(1)  # admits t4 and t5
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + 60
+    while ("t4", 1) not in sim.starts:
+        assert loop.time() < give_up, "t4 did not start at version 1"
+        await asyncio.sleep(0.005)
+    manager.publish(2)
+    assert "t4" in {g.task.id for g in manager.pending_groups()}
+    manager.publish(3)
+    assert "t4" not in {g.task.id for g in manager.pending_groups()}
+    await manager.aclose()
