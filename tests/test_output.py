@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from patchgym.core.output import CappedBuffer, head_tail
@@ -39,3 +41,26 @@ def test_head_tail_keeps_both_ends_of_text() -> None:
     assert short.startswith(text[:20]) and short.endswith(text[-20:])
     assert "3960 characters omitted" in short
     assert head_tail(text, len(text)) == text
+
+
+def test_memory_stays_bounded_however_much_is_written() -> None:
+    buffer = CappedBuffer(4096)
+    chunk = bytearray(b"x" * 1000)  # as a reader hands out: what is kept is a copy
+    tracemalloc.start()
+    try:
+        for _ in range(20_000):  # 20 MB in small writes
+            buffer.write(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert buffer.total == 20_000_000 and len(buffer.getvalue()) < 4200
+    assert peak < 1_000_000, f"{peak} bytes held for a 4 kB cap"
+
+
+def test_a_zero_limit_keeps_nothing_but_the_count() -> None:
+    buffer = CappedBuffer(0)
+    buffer.write(b"abc")
+    assert buffer.truncated and buffer.total == 3
+    assert buffer.getvalue() == b"\n[... 3 bytes omitted ...]\n"
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        CappedBuffer(-1)
