@@ -50,7 +50,10 @@ MODULES: dict[str, list[str]] = {
     "envs/agent.py": ["tests/test_agent.py"],
     "envs/swe.py": ["tests/test_env.py"],
     "envs/chat_eval.py": ["tests/test_openai_eval.py"],
-    "pipeline/config.py": ["tests/test_config.py"],
+    "pipeline/config.py": [
+        "tests/test_sft_traces.py",
+        "tests/test_pipeline.py::test_misspelt_config_keys_are_clear_errors",
+    ],
     "pipeline/traces.py": ["tests/test_sft_traces.py"],
     "pipeline/run.py": ["tests/test_pipeline_metrics.py"],
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -117,6 +118,8 @@ async def test_fully_async_respects_staleness_and_concurrency() -> None:
     for step in results:
         lags = [step.batch.version - g.start_version for g in step.batch.groups]
         assert step.batch.metrics["staleness_mean"] == pytest.approx(sum(lags) / len(lags))
+        rewards = [r for g in step.batch.groups for r in g.rewards]
+        assert step.batch.metrics["reward_std"] == pytest.approx(statistics.pstdev(rewards))
     assert sim.peak <= 6
     assert results[-1].batch.metrics["limits"]["concurrency"] == 6
 
