@@ -99,3 +99,33 @@ async def test_engine_failure_is_an_infra_error_not_a_zero(env: AsyncSWEEnv, tok
     trajectory = await run_agent(env, FailingEngine(tokenizer, []), tokenizer, "easy-train-0003")
     assert trajectory.infra_error is not None and trajectory.infra_error["kind"] == "transport"
     assert trajectory.reward is None and not trajectory.trainable and trajectory.grade is None
+
+
+class Talker(ScriptedEngine):
+    """A policy that always fills its token budget (like a model that never stops), recording its prompts."""
+
+    max_context = 1 << 20
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer, [])
+        self.filler = tokenizer.encode(" a", add_special_tokens=False)[0]
+        self.prompt_lengths: list[int] = []
+
+    async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
+        self.prompt_lengths.append(len(input_ids))
+        tokens = [self.filler] * params.max_new_tokens
+        return Generation(tokens, [-1.0] * len(tokens), "length", self.version)
+
+
+async def test_generation_never_runs_past_the_trajectory_cap(env: AsyncSWEEnv, tokenizer: Any) -> None:
+    probe = Talker(tokenizer)
+    roomy = AgentConfig(max_new_tokens_per_turn=1, max_tokens_per_trajectory=10**6)
+    await run_agent(env, probe, tokenizer, "easy-train-0002", roomy)
+    prompt = probe.prompt_lengths[0]
+    # The turn budget is far above what is left of the trajectory: the room left must bound each turn.
+    config = AgentConfig(max_new_tokens_per_turn=4096, max_tokens_per_trajectory=prompt + 40)
+    engine = Talker(tokenizer)
+    trajectory = await run_agent(env, engine, tokenizer, "easy-train-0002", config)
+    assert trajectory.termination == "max_total_tokens" and trajectory.grade is not None
+    assert engine.prompt_lengths[0] == prompt
+    assert 0 < sum(trajectory.loss_mask) <= 40  # what was left after the prompt

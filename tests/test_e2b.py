@@ -138,13 +138,30 @@ async def test_concurrent_creates_are_limited(workspace: Path, monkeypatch: pyte
         await box.close()
 
 
+async def gone(box: Any, deadline_s: float = 60.0) -> bool:
+    """Whether `box` is lost within a deadline generous for a loaded machine (polled, not slept on)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline_s
+    while loop.time() < give_up:
+        try:
+            await box.exec("true", timeout_s=30)
+        except SandboxLostError:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
 async def test_lease_is_renewed_while_open_and_expires_without_renewal(workspace: Path) -> None:
-    renewing = make_e2b_backend(lease_s=2, lease_renew_s=0.5)
-    abandoned = make_e2b_backend(lease_s=2, lease_renew_s=0)
+    # The renewing sandbox is created first: once the other one's lease of 4 s ended, so did the
+    # first lease of this one, and only renewals (every 0.25 s, 3.75 s of slack) kept it.
+    renewing = make_e2b_backend(lease_s=4, lease_renew_s=0.25)
+    abandoned = make_e2b_backend(lease_s=4, lease_renew_s=0)
+    renewals = await calls("timeout")
     kept = await renewing.create(SandboxSpec(workspace=workspace))
     lost = await abandoned.create(SandboxSpec(workspace=workspace))
-    await asyncio.sleep(3.5)
+    assert await gone(lost), "a sandbox whose lease was not renewed did not expire"
     assert (await kept.exec("echo alive", timeout_s=30)).stdout == "alive\n"
+    assert await calls("timeout") > renewals
     with pytest.raises(SandboxLostError, match="gone"):
         await lost.exec("echo alive", timeout_s=30)
     await kept.close()

@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -20,14 +20,39 @@ from patchgym.core.errors import ConfigError, TransportError
 from patchgym.core.inference import SamplingParams
 
 
+class Gate:
+    """Holds the next `count` requests (to whichever server shares it) until `open()`."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count, self.lock, self.opened = count, threading.Lock(), threading.Event()
+
+    def take(self) -> bool:
+        with self.lock:
+            held = self.count > 0
+            self.count -= 1 if held else 0
+        return held
+
+    def open(self) -> None:
+        self.opened.set()
+
+
 class FakeSGLang(ThreadingHTTPServer):
-    """Answers `/generate` like SGLang after `delay_s`; the first `fail_first` calls get `fail_status`."""
+    """Answers `/generate` like SGLang after `delay_s` (and after its `gate` opens, for a held
+    request); the first `fail_first` calls get `fail_status`."""
 
     daemon_threads = True
 
-    def __init__(self, delay_s: float = 0.0, fail_first: int = 0, fail_status: int = 503, finish: str = "length"):
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        fail_first: int = 0,
+        fail_status: int = 503,
+        finish: str = "length",
+        gate: Gate | None = None,
+    ):
         super().__init__(("127.0.0.1", 0), Handler)
         self.delay_s, self.fail_first, self.fail_status, self.finish = delay_s, fail_first, fail_status, finish
+        self.gate = gate or Gate()
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.active = self.peak = 0
         self.lock = threading.Lock()
@@ -57,6 +82,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self.reply(fake.fail_status, {"error": "overloaded"})
             if self.path == "/generate" and not body.get("input_ids"):
                 return self.reply(400, {"error": {"message": "input_ids is empty"}})
+            if self.path == "/generate" and fake.gate.take():
+                fake.gate.opened.wait(timeout=120)
             time.sleep(fake.delay_s)
             if self.path != "/generate":
                 return self.reply(200, None)
@@ -165,23 +192,34 @@ async def test_4xx_is_a_config_error_without_retry(fake: FakeSGLang) -> None:
     await engine.aclose()
 
 
+async def wait_until(condition: Callable[[], bool], deadline_s: float = 60.0) -> None:
+    """Let the event loop run until `condition` holds; fail after a deadline generous for a loaded machine."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline_s
+    while not condition():
+        assert loop.time() < give_up, f"the state was not reached within {deadline_s} s"
+        await asyncio.sleep(0.01)
+
+
 async def test_least_outstanding_requests_balancing() -> None:
-    slow, fast = serve(delay_s=0.6), serve(delay_s=0.05)
-    slow_server, fast_server = next(slow), next(fast)
-    engine = SGLangEngine([slow_server.url, fast_server.url], max_context=100)
-    first = asyncio.create_task(engine.generate([1], PARAMS))  # occupies one engine for 0.6 s
-    await asyncio.sleep(0.1)
+    gate = Gate(count=1)  # the first request is held wherever it lands, until the gate opens
+    one, other = serve(gate=gate), serve(gate=gate)
+    servers = [next(one), next(other)]
+    engine = SGLangEngine([s.url for s in servers], max_context=100)
+    first = asyncio.create_task(engine.generate([1], PARAMS))
+    await wait_until(lambda: any(s.active for s in servers))
+    busy, idle = servers if servers[0].active else servers[::-1]
     for _ in range(5):  # one at a time: each goes to the idle engine, never the busy one
         await engine.generate([2], PARAMS)
+    assert (len(busy.calls), len(idle.calls)) == (1, 5), "requests went to the busy engine"
+    gate.open()
     await first
-    busy = slow_server if len(slow_server.calls) == 1 else fast_server
-    assert sorted([len(slow_server.calls), len(fast_server.calls)]) == [1, 5], "requests went to the busy engine"
     assert busy.calls[0][1]["input_ids"] == [1]
-    assert engine.outstanding == {slow_server.url: 0, fast_server.url: 0}
+    assert engine.outstanding == {s.url: 0 for s in servers}
     await asyncio.gather(*(engine.generate([3], PARAMS) for _ in range(10)))
-    assert len(slow_server.calls) + len(fast_server.calls) == 16
+    assert len(busy.calls) + len(idle.calls) == 16
     await engine.aclose()
-    for gen in (slow, fast):
+    for gen in (one, other):
         next(gen, None)
 
 
@@ -194,16 +232,20 @@ async def test_connection_pool_is_sized_to_concurrency() -> None:
         await engine.aclose()
 
 
-async def test_cancelled_generate_aborts_its_request(fake: FakeSGLang) -> None:
-    fake.delay_s = 0.5
+async def test_cancelled_generate_aborts_its_request() -> None:
+    gate = Gate(count=1)
+    running = serve(gate=gate)
+    fake = next(running)
     engine = SGLangEngine(fake.url, max_context=100)
     task = asyncio.create_task(engine.generate([1], PARAMS, request_id="r-1"))
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: fake.active == 1)  # the request is at the server
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert ("/abort_request", {"rid": "r-1"}) in fake.calls
+    gate.open()
     await engine.aclose()
+    next(running, None)
 
 
 def test_weight_buckets_keep_order_and_cap_bytes() -> None:
