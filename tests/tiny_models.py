@@ -32,6 +32,39 @@ def tiny_qwen3(directory: Path, *, seed: int = 0, layers: int = 2, tie: bool = F
     return directory
 
 
+def tiny_qwen3_moe(directory: Path, *, seed: int = 0, experts: int = 4, top_k: int = 2) -> Path:
+    """A 2-layer Qwen3-MoE (every layer sparse, top-k of `experts`) with random weights, saved in HF format."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # the default init (std 0.02) gives near-equal router logits: float noise would pick experts
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def random_samples(n: int, *, seed: int = 0, low: int = 6, high: int = 40, advantages: bool = True):
     """Samples with a prompt (mask 0) then a response (mask 1), engine log-probs near -log(VOCAB)."""
     from patchgym.core.batch import Sample

@@ -1,0 +1,62 @@
+"""Expert parallelism in the Megatron trainer: expert numbering, gathering, and balanced micro-batches.
+
+With expert parallel size `ep`, each rank of an expert-parallel group holds a contiguous block of
+`num_experts / ep` experts, named `local_experts.0..` inside the rank; full (HF-convertible) names
+number them globally. Tokens reach their experts through an all-to-all in every MoE layer, so all
+ranks of an expert-parallel group must run the same number of forward passes: ranks that would
+have fewer micro-batches get empty ones (no trained tokens, so no loss and no gradient).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from patchgym.core.batch import MicroBatch
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def is_expert(name: str) -> bool:
+    return _LOCAL_EXPERT.search(name) is not None
+
+
+def global_expert_name(name: str, ep_rank: int, local_count: int) -> str:
+    """`name` with its local expert index replaced by the global one (unchanged for other tensors)."""
+    return _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{ep_rank * local_count + int(m[1])}.", name)
+
+
+def _renumber(full_name: str, local_name: str, ep_rank: int, local_count: int) -> str:
+    """`full_name` (this rank's expert) as the same local expert of expert-parallel rank `ep_rank`."""
+    index = ep_rank * local_count + int(_LOCAL_EXPERT.search(local_name)[1])
+    return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{index}.", full_name)
+
+
+def gather_expert(
+    name: str, full_name: str, local: torch.Tensor, ps: Any, local_count: int, unshard: Any
+) -> dict[str, torch.Tensor]:
+    """One local expert tensor (`name` in this stage, `full_name` in the whole model), whole over
+    expert-TP, from every expert-parallel rank, keyed by full names."""
+    tp_group = ps.get_expert_tensor_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, local, group=tp_group)
+    whole = unshard(name, parts)
+    ep_group = ps.get_expert_model_parallel_group()
+    blocks = [torch.empty_like(whole) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(blocks, whole, group=ep_group)
+    return {_renumber(full_name, name, rank, local_count): block for rank, block in enumerate(blocks)}
+
+
+def empty_micro_batch(pad_id: int) -> MicroBatch:
+    """One padding token: a forward pass that trains nothing and yields no log-probs."""
+    return MicroBatch([[pad_id]], [[0]], [[0]], [[0.0]], [[0.0]], [[-1]], {})
+
+
+def balanced_share(mbs: list[MicroBatch], dp: int, dp_rank: int, pad_id: int) -> list[MicroBatch]:
+    """This data-parallel rank's micro-batches, padded with empty ones to the largest rank's count."""
+    mine = mbs[dp_rank::dp]
+    most = -(-len(mbs) // dp)
+    return mine + [empty_micro_batch(pad_id) for _ in range(most - len(mine))]
