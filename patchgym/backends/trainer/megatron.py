@@ -93,6 +93,7 @@ class MegatronTrainer:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        etp: int | None = None,
         lr: float = 1e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -113,7 +114,7 @@ class MegatronTrainer:
         self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         self.layout = Layout(self.hf_config)
         self.dtype = getattr(torch, dtype)
-        self.tp, self.pp, self.ep = tp, pp, ep
+        self.tp, self.pp, self.ep, self.etp = tp, pp, ep, etp or tp  # experts split over etp ranks (default tp)
         self.micro_batch_tokens = micro_batch_tokens
         self.use_distributed_optimizer = use_distributed_optimizer
         self.timeout_s = timeout_s
@@ -123,11 +124,7 @@ class MegatronTrainer:
         _init_distributed(timeout_s)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        if self.world % (tp * pp):
-            raise ConfigError(f"world size {self.world} is not divisible by tp * pp = {tp} * {pp}")
-        self.dp = self.world // (tp * pp)
-        if self.dp % ep:
-            raise ConfigError(f"expert parallel size {ep} must divide the data-parallel size {self.dp}")
+        self.dp = megatron_moe.check_layout(self.world, tp=tp, pp=pp, ep=ep, etp=self.etp)
         torch.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
         with mcore_cpu.active():
@@ -147,13 +144,15 @@ class MegatronTrainer:
                 tensor_model_parallel_size=self.tp,
                 pipeline_model_parallel_size=self.pp,
                 expert_model_parallel_size=self.ep,
+                expert_tensor_parallel_size=self.etp,
             )
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
-        config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype, ep=self.ep)
+        config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype, ep=self.ep, etp=self.etp)
         self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.local_experts = self.layout.experts // self.ep
         spec = get_gpt_layer_local_spec(
             num_experts=self.layout.experts or None, qk_layernorm=self.layout.qk_norm, normalization="RMSNorm"
@@ -232,7 +231,8 @@ class MegatronTrainer:
             raise ConfigError(f"the HF weights lack tensors for {sorted(missing)[:5]}")
         with torch.no_grad():
             for name, param in params.items():
-                part = shard(name, full[name], self.tp, self.tp_rank)
+                expert = megatron_moe.is_expert(name)
+                part = shard(name, full[name], *((self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)))
                 if part.shape != param.shape:
                     raise ConfigError(f"{name}: HF gives {tuple(part.shape)}, the model wants {tuple(param.shape)}")
                 param.copy_(part.to(param.dtype))
@@ -244,6 +244,7 @@ class MegatronTrainer:
             "tp": self.tp,
             "pp": self.pp,
             "ep": self.ep,
+            "etp": self.etp,
             "dp": self.dp,
             "world_size": self.world,
             "micro_batch_tokens": self.micro_batch_tokens,

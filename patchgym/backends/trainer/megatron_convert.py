@@ -59,7 +59,7 @@ class Layout:
         if getattr(hf, "mlp_bias", False):
             raise ConfigError("MLP biases are not supported by the megatron trainer")
 
-    def moe_settings(self, ep: int) -> dict[str, Any]:
+    def moe_settings(self, ep: int, etp: int = 1) -> dict[str, Any]:
         """TransformerConfig fields for the experts (none for a dense model)."""
         if not self.experts:
             if ep != 1:
@@ -67,6 +67,9 @@ class Layout:
             return {}
         if self.experts % ep:
             raise ConfigError(f"num_experts={self.experts} is not divisible by expert parallel size {ep}")
+        if self.hf.moe_intermediate_size % etp:
+            size = self.hf.moe_intermediate_size
+            raise ConfigError(f"moe_intermediate_size={size} is not divisible by expert tensor parallel size {etp}")
         return {
             "num_moe_experts": self.experts,
             "moe_ffn_hidden_size": self.hf.moe_intermediate_size,
@@ -77,15 +80,17 @@ class Layout:
             "moe_router_pre_softmax": not self.hf.norm_topk_prob,
             "moe_router_load_balancing_type": "none",  # HF's loss has no router term unless output_router_logits
             "moe_aux_loss_coeff": 0.0,
+            "moe_router_dtype": "fp32",  # routing in float32 whatever the weights' dtype, like HF's softmax
             "moe_grouped_gemm": False,
             "expert_model_parallel_size": ep,
+            "expert_tensor_parallel_size": etp,
         }
 
-    def transformer_config(self, *, tp: int, pp: int, dtype: torch.dtype, ep: int = 1) -> Any:
+    def transformer_config(self, *, tp: int, pp: int, dtype: torch.dtype, ep: int = 1, etp: int | None = None) -> Any:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         hf = self.hf
-        moe = self.moe_settings(ep)
+        moe = self.moe_settings(ep, etp or tp)
         for name, value in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups)):
             if value % tp:
                 raise ConfigError(f"{name}={value} is not divisible by tensor parallel size {tp}")
