@@ -1,6 +1,6 @@
 """A torchrun program for the MoE Megatron trainer tests: GRPO steps with gradients captured, then an export.
 
-Run: torchrun --nproc_per_node=N tests/megatron_moe_worker.py MODEL_DIR OUT_DIR EP
+Run: torchrun --nproc_per_node=N tests/megatron_moe_worker.py MODEL_DIR OUT_DIR TP EP ETP
 
 Every rank wraps the optimizer's `step` to hand rank 0 the reduced gradients (megatron's
 `main_grad`, under full HF-convertible megatron names) before the step. With one process the
@@ -79,9 +79,10 @@ async def drive(trainer: MegatronTrainer, tap: GradientTap, out: Path) -> None:
 
 
 def main() -> None:
-    model, out, ep = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    model, out = Path(sys.argv[1]), Path(sys.argv[2])
+    tp, ep, etp = (int(a) for a in sys.argv[3:6])
     trainer = MegatronTrainer(
-        model, ep=ep, lr=3e-3, micro_batch_tokens=MICRO_BATCH_TOKENS, use_distributed_optimizer=False
+        model, tp=tp, ep=ep, etp=etp, lr=3e-3, micro_batch_tokens=MICRO_BATCH_TOKENS, use_distributed_optimizer=False
     )
     tap = GradientTap(trainer)
     if trainer.rank == 0:

@@ -29,11 +29,11 @@ NOISE_FACTOR = 8.0
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def torchrun(model: Path, out: Path, nproc: int, ep: int) -> dict:
+def torchrun(model: Path, out: Path, nproc: int, *, tp: int = 1, ep: int = 1, etp: int = 1) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(model), str(out), str(ep),
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(model), str(out), str(tp), str(ep), str(etp),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
@@ -48,8 +48,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {
         "model": model,
         "base": base,
-        "ep1": torchrun(model, base / "ep1", 1, 1),
-        "ep2": torchrun(model, base / "ep2", 2, 2),
+        "ep1": torchrun(model, base / "ep1", 1),
+        "ep2": torchrun(model, base / "ep2", 2, ep=2),
     }
 
 

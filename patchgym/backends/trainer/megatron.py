@@ -305,7 +305,8 @@ class MegatronTrainer:
             return []
 
         def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
-            return step(next(data).tensors(), model)
+            t = next(data).tensors()
+            return step(megatron_moe.pad_sequence(t, self.tp) if self.gpt.config.sequence_parallel else t, model)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,

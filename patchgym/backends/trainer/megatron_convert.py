@@ -114,6 +114,7 @@ class Layout:
             add_qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_norm,
             tensor_model_parallel_size=tp,
+            sequence_parallel=bool(self.experts) and tp > 1,  # megatron's MoE layers train with TP only so
             pipeline_model_parallel_size=pp,
             pipeline_dtype=dtype,
             variable_seq_lengths=True,  # packed micro-batches differ in shape: stages send shapes first

@@ -5,6 +5,9 @@ With expert parallel size `ep`, each rank of an expert-parallel group holds a co
 number them globally. Tokens reach their experts through an all-to-all in every MoE layer, so all
 ranks of an expert-parallel group must run the same number of forward passes: ranks that would
 have fewer micro-batches get empty ones (no trained tokens, so no loss and no gradient).
+Megatron's MoE layers refuse to train with tensor parallelism unless sequence parallelism is on,
+which splits each micro-batch's sequence between the TP ranks: sequences are padded to a multiple
+of tp at the end (padding has sample index -1 and loss mask 0, so spans and losses are unchanged).
 """
 
 from __future__ import annotations
@@ -80,3 +83,11 @@ def balanced_share(mbs: list[MicroBatch], dp: int, dp_rank: int, pad_id: int) ->
     mine = mbs[dp_rank::dp]
     most = -(-len(mbs) // dp)
     return mine + [empty_micro_batch(pad_id) for _ in range(most - len(mine))]
+
+
+def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """Micro-batch tensors ([b, s] each) padded at the end of the sequence to a multiple of `multiple`."""
+    extra = -t["input_ids"].shape[1] % multiple
+    if not extra:
+        return t
+    return {k: torch.nn.functional.pad(v, (0, extra), value=-1 if k == "sample_index" else 0) for k, v in t.items()}
