@@ -3,7 +3,7 @@
 Run: torchrun --nproc_per_node=N tests/megatron_moe_worker.py MODEL_DIR OUT_DIR TP EP ETP
 
 Every rank wraps the optimizer's `step` to hand rank 0 the reduced gradients (megatron's
-`main_grad`, under full HF-convertible megatron names) before the step. With one process the
+`main_grad`, under full megatron names, TP shards joined) before the step. With one process the
 worker first takes the same GRPO step with a different micro-batch packing and no optimizer step:
 the two gradients differ only by float32 summation order, which measures the reduction error the
 tests scale their tolerances by.
@@ -24,7 +24,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
 
+from patchgym.backends.trainer import megatron_moe  # noqa: E402
 from patchgym.backends.trainer.megatron import MegatronTrainer  # noqa: E402
+from patchgym.backends.trainer.megatron_convert import unshard  # noqa: E402
 from patchgym.core.batch import TrainBatch  # noqa: E402
 from patchgym.core.losses import GRPOLoss  # noqa: E402
 from tests.tiny_models import random_samples  # noqa: E402
@@ -46,11 +48,18 @@ class GradientTap:
 
     def step(self) -> Any:
         t = self.trainer
-        mine = {t.names[n]: p.main_grad.detach().float().clone() for n, p in t.gpt.named_parameters()}
+        mine = {}
+        for name, param in t.gpt.named_parameters():  # (rank within the tensor's TP group, shard)
+            rank = t.etp_rank if megatron_moe.is_expert(name) else t.tp_rank
+            mine[t.names[name]] = (rank, param.main_grad.detach().float().clone())
         parts: list[Any] | None = [None] * t.world if t.rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
         if parts is not None:
-            self.captured.append({k: v for part in parts for k, v in part.items()})
+            shards: dict[str, dict[int, torch.Tensor]] = {}
+            for part in parts:
+                for name, (rank, grad) in part.items():
+                    shards.setdefault(name, {})[rank] = grad
+            self.captured.append({k: unshard(k, [v[r] for r in sorted(v)]) for k, v in shards.items()})
         if self.skip_next:
             self.skip_next = False
             return True, 0.0, None

@@ -8,8 +8,10 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,7 +35,8 @@ def torchrun(model: Path, out: Path, nproc: int, *, tp: int = 1, ep: int = 1, et
     out.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(WORKER), str(model), str(out), str(tp), str(ep), str(etp),
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        str(WORKER), str(model), str(out), str(tp), str(ep), str(etp),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
@@ -173,3 +176,60 @@ print("inert")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "inert" in proc.stdout, proc.stderr[-3000:]
+
+
+SGLANG_LOGPROB_TOLERANCE = 1e-4
+"""SGLang (CPU, float32, its native MoE path) vs the megatron trainer on the same weights, per token."""
+
+
+@pytest.fixture(scope="module")
+def sglang_moe(runs: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real SGLang server (CPU venv) serving the tiny MoE: no tokenizer, token ids in and out."""
+    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, launch_sglang, stop_servers
+    from patchgym.backends.inference.sglang_venv import stubs_path, venv_python
+    from tests.test_sglang import require_sglang_venv
+
+    venv = require_sglang_venv()
+    settings = SGLangLaunchSettings(
+        runs["model"], python=venv_python(venv), stubs_dir=stubs_path(venv), device="cpu", base_port=free_port(),
+        context_length=256, max_total_tokens=4096, dtype="float32", mem_fraction_static=None,
+        extra_args=["--skip-tokenizer-init"],
+    )  # fmt: skip
+    servers = launch_sglang(settings, tmp_path_factory.mktemp("sglang-moe-logs"))
+    try:
+        yield servers[0].url
+    finally:
+        stop_servers(servers)
+
+
+def sglang_logprobs(url: str, samples: list) -> list[list[float]]:
+    """Each sample's per-token log-probs as SGLang scores its tokens (entry 0 is 0.0, like the trainer's)."""
+    body = {
+        "input_ids": [s.tokens for s in samples],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    response = httpx.post(url + "/generate", json=body, timeout=600)
+    response.raise_for_status()
+    return [[lp or 0.0 for lp, _, _ in r["meta_info"]["input_token_logprobs"]] for r in response.json()]
+
+
+def test_sglang_serves_the_moe_with_the_trainers_logprobs(runs: dict, sglang_moe: str) -> None:
+    samples = random_samples(8, seed=22)
+    served = sglang_logprobs(sglang_moe, samples)
+    gap = max(
+        abs(a - b) for x, y in zip(served, runs["ep2"]["logprobs"], strict=True) for a, b in zip(x, y, strict=True)
+    )
+    assert gap <= SGLANG_LOGPROB_TOLERANCE, gap
+    # the trained weights, exported by the EP=2 trainer, loaded by SGLang from disk
+    response = httpx.post(
+        sglang_moe + "/update_weights_from_disk", json={"model_path": str(runs["base"] / "ep2" / "hf")}, timeout=600
+    )
+    assert response.status_code == 200 and response.json()["success"], response.text
+    after = sglang_logprobs(sglang_moe, samples)
+    trained = runs["ep2"]["logprobs_after"]
+    gap_after = max(abs(a - b) for x, y in zip(after, trained, strict=True) for a, b in zip(x, y, strict=True))
+    assert gap_after <= SGLANG_LOGPROB_TOLERANCE, gap_after
+    assert after[0][5:] != pytest.approx(served[0][5:], abs=1e-3)  # the weights really changed
+    print(f"SGLang vs trainer max |logprob gap|: initial {gap:.2e}, after training {gap_after:.2e}")

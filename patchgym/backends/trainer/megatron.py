@@ -135,7 +135,6 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
@@ -154,9 +153,7 @@ class MegatronTrainer:
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.local_experts = self.layout.experts // self.ep
-        spec = get_gpt_layer_local_spec(
-            num_experts=self.layout.experts or None, qk_layernorm=self.layout.qk_norm, normalization="RMSNorm"
-        )
+        spec = megatron_moe.layer_spec(config, self.layout.experts, self.layout.qk_norm)
         from patchgym.backends.trainer.megatron_convert import rope_theta
 
         gpt = GPTModel(

@@ -8,6 +8,8 @@ have fewer micro-batches get empty ones (no trained tokens, so no loss and no gr
 Megatron's MoE layers refuse to train with tensor parallelism unless sequence parallelism is on,
 which splits each micro-batch's sequence between the TP ranks: sequences are padded to a multiple
 of tp at the end (padding has sample index -1 and loss mask 0, so spans and losses are unchanged).
+The local layer spec's torch norm refuses sequence parallelism, so `layer_spec` swaps in
+`SequenceParallelNorm`, which marks its weight for megatron to sum its gradient over the TP ranks.
 """
 
 from __future__ import annotations
@@ -91,3 +93,33 @@ def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.T
     if not extra:
         return t
     return {k: torch.nn.functional.pad(v, (0, extra), value=-1 if k == "sample_index" else 0) for k, v in t.items()}
+
+
+class SequenceParallelNorm:
+    """megatron's torch-norm module for sequence parallelism: each TP rank normalises its share of
+    the tokens, so the weight is marked `sequence_parallel` and megatron sums its gradient over TP."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        if config.normalization != "RMSNorm":
+            raise ConfigError(f"sequence parallelism supports RMSNorm models, not {config.normalization}")
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(config: Any, experts: int, qk_norm: bool) -> Any:
+    """The local GPT layer spec (MoE layers when `experts`); with sequence parallelism, a block spec for
+    this pipeline stage whose norms support it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, qk_layernorm=qk_norm, normalization="RMSNorm")
+    if not config.sequence_parallel:
+        return spec
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
+    if qk_norm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
+    layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
