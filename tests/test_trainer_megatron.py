@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +14,7 @@ pytest.importorskip("megatron.core")
 from patchgym.backends.trainer.embedded import EmbeddedTrainer  # noqa: E402
 from patchgym.core.batch import TrainBatch  # noqa: E402
 from tests.tiny_models import random_samples, tiny_qwen3  # noqa: E402
+from tests.torchrun_launch import torchrun_json  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 LOGPROB_TOLERANCE = 1e-5
@@ -27,23 +23,8 @@ LOSS_REL, LOSS_ABS, GRAD_NORM_REL = 1e-4, 1e-5, 1e-3
 """Another parallel layout vs TP=1, float32, over several optimiser steps (measured: PP=2 within 3e-7)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(model: Path, out: Path, nproc: int, tp: int, pp: int = 1) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        str(WORKER), str(model), str(out), str(tp), str(pp),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    return torchrun_json(WORKER, out, nproc, model, out, tp, pp, timeout_s=600)
 
 
 @pytest.fixture(scope="module")

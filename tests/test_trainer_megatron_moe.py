@@ -1,9 +1,13 @@
-"""Mixture of experts in the Megatron trainer, run for real on CPU: a tiny Qwen3-MoE, EP=2 against EP=1."""
+"""Mixture of experts in the Megatron trainer, run for real on CPU: a tiny Qwen3-MoE, EP=2 against EP=1.
+
+Two torchrun launches: EP=1 on one rank (which also measures float32 summation noise by repacking),
+and four ranks as TP2 x DP2 with EP2 (experts without TP, sequence parallelism on), which covers
+the all-to-all dispatch, balanced micro-batch counts, expert data parallelism and TP with MoE.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import subprocess
@@ -22,8 +26,9 @@ from patchgym.backends.trainer.embedded import EmbeddedTrainer  # noqa: E402
 from patchgym.backends.trainer.megatron_convert import Layout, fuse_experts  # noqa: E402
 from patchgym.core.batch import TrainBatch  # noqa: E402
 from patchgym.core.errors import ConfigError  # noqa: E402
-from tests.test_trainer_megatron import LOGPROB_TOLERANCE, free_port  # noqa: E402
+from tests.test_trainer_megatron import LOGPROB_TOLERANCE  # noqa: E402
 from tests.tiny_models import random_samples, tiny_qwen3_moe  # noqa: E402
+from tests.torchrun_launch import free_port, torchrun_json  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_moe_worker.py")
 NOISE_FACTOR = 8.0
@@ -32,16 +37,7 @@ EPS32 = torch.finfo(torch.float32).eps
 
 
 def torchrun(model: Path, out: Path, nproc: int, *, tp: int = 1, ep: int = 1, etp: int = 1) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        str(WORKER), str(model), str(out), str(tp), str(ep), str(etp),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    return torchrun_json(WORKER, out, nproc, model, out, tp, ep, etp)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "model": model,
         "base": base,
         "ep1": torchrun(model, base / "ep1", 1),
-        "ep2": torchrun(model, base / "ep2", 2, ep=2),
+        "ep2": torchrun(model, base / "ep2", 4, tp=2, ep=2, etp=1),  # + TP2 (sequence parallel), DP2
     }
 
 
@@ -103,7 +99,8 @@ def test_logprobs_match_transformers(runs: dict) -> None:
 
 def test_ep2_equals_ep1_on_loss_and_gradients(runs: dict) -> None:
     ep1, ep2 = runs["ep1"], runs["ep2"]
-    assert ep2["settings"]["ep"] == 2 and ep2["settings"]["world_size"] == 2 and ep1["settings"]["ep"] == 1
+    layout = {k: ep2["settings"][k] for k in ("tp", "ep", "etp", "dp", "world_size")}
+    assert layout == {"tp": 2, "ep": 2, "etp": 1, "dp": 2, "world_size": 4} and ep1["settings"]["ep"] == 1
     grad_noise = max_abs_diff(ep1["grads"], ep1["repacked_grads"])
     loss_noise = abs(ep1["grpo"][0]["loss"] - ep1["repacked"]["loss"])
     largest = max(abs(x) for values in ep1["grads"].values() for x in values)
