@@ -30,10 +30,14 @@ from tests.test_trainer_megatron import LOGPROB_TOLERANCE  # noqa: E402
 from tests.tiny_models import random_samples, tiny_qwen3_moe  # noqa: E402
 from tests.torchrun_launch import free_port, torchrun_json  # noqa: E402
 
+pytestmark = pytest.mark.timeout(1500)  # two torchrun launches and an SGLang server start, on a busy machine
+
 WORKER = Path(__file__).with_name("megatron_moe_worker.py")
 NOISE_FACTOR = 8.0
 """EP=2 may differ from EP=1 by this many times the float32 summation noise measured by repacking."""
 EPS32 = torch.finfo(torch.float32).eps
+EXPORT_REL = 1e-3
+"""After 3 steps, EP=2's exported weights differ from EP=1's by at most this fraction of the training update."""
 
 
 def torchrun(model: Path, out: Path, nproc: int, *, tp: int = 1, ep: int = 1, etp: int = 1) -> dict:
@@ -119,7 +123,8 @@ def test_grpo_steps_run_and_learn(runs: dict) -> None:
         assert all(s["optimizer_skipped"] == 0.0 and math.isfinite(s["loss"]) for s in steps), name
         assert {"clip_fraction", "logprob_gap", "is_ess", "entropy"} <= set(steps[-1])
         assert steps[-1]["loss"] < steps[0]["loss"], name  # the same batch again: its GRPO loss falls
-        assert runs[name]["logprobs_after"] != pytest.approx(runs[name]["logprobs"], abs=1e-3)
+        before, after = (sum(runs[name][key], []) for key in ("logprobs", "logprobs_after"))
+        assert max(abs(x - y) for x, y in zip(before, after, strict=True)) > 1e-3, name  # the weights moved
     for a, b in zip(runs["ep1"]["grpo"], runs["ep2"]["grpo"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
 
@@ -142,8 +147,13 @@ def test_export_loads_in_transformers_exactly(runs: dict) -> None:
             initial["model.layers.0.mlp.experts.3.up_proj.weight"],
         )
         exported[name] = on_disk
+    # Adam turns float32 noise in near-zero gradients into sign-sized steps, so the layouts' weights are
+    # compared relative to how far training moved them (measured: at most 2.2e-5 of it, lm_head)
     for k in initial:
-        torch.testing.assert_close(exported["ep2"][k], exported["ep1"][k], atol=1e-5, rtol=1e-4)
+        moved = (exported["ep1"][k] - initial[k]).norm()
+        assert (exported["ep2"][k] - exported["ep1"][k]).norm() <= EXPORT_REL * moved, k
+    for a, b in zip(runs["ep1"]["logprobs_after"], runs["ep2"]["logprobs_after"], strict=True):
+        assert b == pytest.approx(a, abs=LOGPROB_TOLERANCE)  # the trained models agree token by token
 
 
 def test_cpu_shim_is_inert_when_cuda_is_available() -> None:
