@@ -212,7 +212,7 @@ def sglang_moe(runs: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def sglang_logprobs(url: str, samples: list) -> list[list[float]]:
     """Each sample's per-token log-probs as SGLang scores its tokens (entry 0 is 0.0, like the trainer's)."""
     body = {
-        "input_ids": [s.tokens for s in samples],
+        "input_ids": [s.token_ids for s in samples],
         "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "return_logprob": True,
         "logprob_start_len": 0,
