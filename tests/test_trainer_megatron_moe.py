@@ -185,8 +185,9 @@ print("inert")
     assert proc.returncode == 0 and "inert" in proc.stdout, proc.stderr[-3000:]
 
 
-SGLANG_LOGPROB_TOLERANCE = 1e-4
-"""SGLang (CPU, float32, its native MoE path) vs the megatron trainer on the same weights, per token."""
+SGLANG_LOGPROB_TOLERANCE = LOGPROB_TOLERANCE
+"""SGLang (CPU, float32, its native MoE path) vs the megatron trainer on the same weights, per token
+(measured: 4.8e-7 before training, 9.5e-7 after, so the trainer-vs-transformers bound holds here too)."""
 
 
 @pytest.fixture(scope="module")
