@@ -14,7 +14,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from patchgym.core.inference import Generation, SamplingParams
 from patchgym.process_groups import group_members
 from tests.conftest import require_train_extra
 from tests.processes import ignore_sigint, kill_survivors, run_group, tree_groups
+from tests.torchrun_launch import free_port
 
 pytestmark = pytest.mark.timeout(900)  # the first test pays for building the venv and starting the server
 
@@ -42,12 +42,6 @@ STOP_MARGIN_S = 30
 IDLE_WINDOW_S, IDLE_CPU_SHARE = 5.0, 0.05
 """An idle server uses under this share of one core. Measured at load average 43 on 2 cores: 0.015 with
 --sleep-on-idle, 0.14-0.17 without (its scheduler polls; about a whole core on an idle machine)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require_sglang_venv() -> Path:

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +15,8 @@ pytest.importorskip("megatron.core")
 from patchgym.backends.trainer.embedded import EmbeddedTrainer  # noqa: E402
 from patchgym.core.batch import TrainBatch  # noqa: E402
 from tests.megatron_recipe import embedded_run  # noqa: E402
-from tests.processes import run_group  # noqa: E402
 from tests.tiny_models import random_samples, tiny_qwen3  # noqa: E402
+from tests.torchrun_launch import torchrun_json  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 TORCHRUN_TIMEOUT_S = 600
@@ -47,23 +43,8 @@ def rounding_bound(errors: list[float], magnitudes: list[float]) -> float:
     return SAFETY * 2 * max(max(errors), FP32_EPS * max(magnitudes))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(model: Path, out: Path, nproc: int, tp: int, pp: int = 1) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        str(WORKER), str(model), str(out), str(tp), str(pp),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = run_group(command, TORCHRUN_TIMEOUT_S, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "result.json").read_text())
+    return torchrun_json(WORKER, out, nproc, model, out, tp, pp, timeout_s=TORCHRUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

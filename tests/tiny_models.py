@@ -6,6 +6,11 @@ import random
 from pathlib import Path
 
 VOCAB = 96
+SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=512, rope_theta=10000.0, attention_dropout=0.0,
+)  # fmt: skip
+"""Every tiny model's shape: GQA with 4 query and 2 KV heads of 16 dims over a 64-wide residual stream."""
 
 
 def tiny_qwen3(directory: Path, *, seed: int = 0, layers: int = 2, tie: bool = False) -> Path:
@@ -14,20 +19,33 @@ def tiny_qwen3(directory: Path, *, seed: int = 0, layers: int = 2, tie: bool = F
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie,
-        attention_dropout=0.0,
-    )
+    config = Qwen3Config(**SHAPE, num_hidden_layers=layers, tie_word_embeddings=tie)
     model = Qwen3ForCausalLM(config)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def tiny_qwen3_moe(directory: Path, *, seed: int = 0, experts: int = 4, top_k: int = 2) -> Path:
+    """A 2-layer Qwen3-MoE (every layer sparse, top-k of `experts`) with random weights, saved in HF format."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        **SHAPE,
+        moe_intermediate_size=32,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # the default init (std 0.02) gives near-equal router logits: float noise would pick experts
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

@@ -4,7 +4,11 @@ megatron-core 0.16 hard-codes CUDA in a few places: its RNG tracker, the RoPE fr
 (`.to(torch.cuda.current_device())`), the default causal mask (`device="cuda"`), buffers in the
 distributed optimizer and gradient clipping (`device='cuda'`, `param.type() ==
 'torch.cuda.FloatTensor'`), the pipeline schedule's receive buffers and syncs
-(`torch.cuda.current_device()`, `torch.cuda.synchronize()`). `install()` redirects those to the
+(`torch.cuda.current_device()`, `torch.cuda.synchronize()`), and three in mixture-of-experts
+layers: the all-to-all token dispatcher creates a `torch.cuda.Stream` for its device-to-host
+copies; the router calls `te_general_gemm`, a name defined only when TransformerEngine imports
+(NameError without it); and the dispatcher turns its split sizes into host arrays only for CUDA
+tensors, so on the CPU `all_to_all_single` gets tensors. `install()` redirects those to the
 CPU, and `active()` is a torch function mode that rewrites CUDA devices to CPU while megatron
 code runs. Both do nothing when a GPU is present: there megatron-core runs unchanged.
 """
@@ -104,7 +108,33 @@ def install() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     tutils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    _install_moe()
     _installed = True
+
+
+def _install_moe() -> None:
+    """The mixture-of-experts parts: no side stream, no TransformerEngine GEMM, host split sizes."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the router then uses torch.mm, as megatron intends without TE
+
+    def host_splits(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+        """CPU version of `_maybe_dtoh_and_synchronize`: split sizes as numpy arrays, nothing to sync."""
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()  # the constructor makes one only when unset
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
+
+
+class _NoStream:
+    """Stands in for the dispatcher's CUDA side stream, which the CPU version never uses."""
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The Megatron trainer: megatron-core `GPTModel` with tensor, pipeline and data parallelism.
+"""The Megatron trainer: megatron-core `GPTModel` with tensor, pipeline, data and expert parallelism.
 
 Launch one process per rank with torchrun (`torchrun --nproc_per_node=N program.py`, N a
 multiple of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
@@ -17,6 +17,9 @@ when pp > 1) with variable sequence lengths; the loss and log-probs are computed
 stage and gathered to rank 0. The loss is normalised over the whole step by us
 (`Normaliser`), so the config sets `calculate_per_token_loss`: the schedule and DDP then add
 micro-batch and data-parallel gradients without averaging them.
+
+Mixture-of-experts models (Qwen3-MoE) use megatron's MoE layers with the all-to-all dispatcher;
+`ep` splits the experts between ranks (`megatron_moe`).
 
 Without a GPU the process group is gloo and `mcore_cpu` redirects megatron's CUDA calls.
 """
@@ -38,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from patchgym.backends.trainer import mcore_cpu
+from patchgym.backends.trainer import mcore_cpu, megatron_moe
 from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state, step_metrics
 from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
 from patchgym.core.batch import MicroBatch, TrainBatch
@@ -89,6 +92,8 @@ class MegatronTrainer:
         *,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
         lr: float = 1e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -109,7 +114,7 @@ class MegatronTrainer:
         self.hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         self.layout = Layout(self.hf_config)
         self.dtype = getattr(torch, dtype)
-        self.tp, self.pp = tp, pp
+        self.tp, self.pp, self.ep, self.etp = tp, pp, ep, etp or tp  # experts split over etp ranks (default tp)
         self.micro_batch_tokens = micro_batch_tokens
         self.use_distributed_optimizer = use_distributed_optimizer
         self.timeout_s = timeout_s
@@ -119,9 +124,7 @@ class MegatronTrainer:
         _init_distributed(timeout_s)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        if self.world % (tp * pp):
-            raise ConfigError(f"world size {self.world} is not divisible by tp * pp = {tp} * {pp}")
-        self.dp = self.world // (tp * pp)
+        self.dp = megatron_moe.check_layout(self.world, tp=tp, pp=pp, ep=ep, etp=self.etp)
         torch.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
         with mcore_cpu.active():
@@ -132,18 +135,25 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp,
+                pipeline_model_parallel_size=self.pp,
+                expert_model_parallel_size=self.ep,
+                expert_tensor_parallel_size=self.etp,
+            )
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
-        config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype)
-        spec = get_gpt_layer_local_spec(qk_layernorm=self.layout.qk_norm, normalization="RMSNorm")
+        config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype, ep=self.ep, etp=self.etp)
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
+        self.local_experts = self.layout.experts // self.ep
+        spec = megatron_moe.layer_spec(config, self.layout.experts, self.layout.qk_norm)
         from patchgym.backends.trainer.megatron_convert import rope_theta
 
         gpt = GPTModel(
@@ -195,7 +205,8 @@ class MegatronTrainer:
         for name, _ in gpt.named_parameters():
             if name.startswith("decoder.layers."):
                 index, rest = name.removeprefix("decoder.layers.").split(".", 1)
-                names[name] = f"decoder.layers.{int(index) + offset}.{rest}"
+                full = f"decoder.layers.{int(index) + offset}.{rest}"
+                names[name] = megatron_moe.global_expert_name(full, self.ep_rank, self.local_experts)
             elif self.layout.tied and name == "output_layer.weight":
                 names[name] = "embedding.word_embeddings.weight"
             else:
@@ -217,7 +228,8 @@ class MegatronTrainer:
             raise ConfigError(f"the HF weights lack tensors for {sorted(missing)[:5]}")
         with torch.no_grad():
             for name, param in params.items():
-                part = shard(name, full[name], self.tp, self.tp_rank)
+                expert = megatron_moe.is_expert(name)
+                part = shard(name, full[name], *((self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)))
                 if part.shape != param.shape:
                     raise ConfigError(f"{name}: HF gives {tuple(part.shape)}, the model wants {tuple(param.shape)}")
                 param.copy_(part.to(param.dtype))
@@ -228,6 +240,8 @@ class MegatronTrainer:
             "backend": "megatron",
             "tp": self.tp,
             "pp": self.pp,
+            "ep": self.ep,
+            "etp": self.etp,
             "dp": self.dp,
             "world_size": self.world,
             "micro_batch_tokens": self.micro_batch_tokens,
@@ -272,6 +286,8 @@ class MegatronTrainer:
 
     def _my_micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
         mbs = TrainBatch(batch.samples, self.micro_batch_tokens, True, batch.pad_id).micro_batches()
+        if self.ep > 1:  # the experts' all-to-all needs as many forward passes on every rank
+            return megatron_moe.balanced_share(mbs, self.dp, self.dp_rank, batch.pad_id)
         return mbs[self.dp_rank :: self.dp]
 
     def _schedule(self, mbs: list[MicroBatch], step: Callable[..., Any], *, forward_only: bool) -> list[Any]:
@@ -286,7 +302,8 @@ class MegatronTrainer:
             return []
 
         def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
-            return step(next(data).tensors(), model)
+            t = next(data).tensors()
+            return step(megatron_moe.pad_sequence(t, self.tp) if self.gpt.config.sequence_parallel else t, model)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -396,6 +413,12 @@ class MegatronTrainer:
             if getattr(param, "shared", False):
                 continue
             local = param.detach().float().contiguous()
+            if megatron_moe.is_expert(name):
+                gathered = megatron_moe.gather_expert(
+                    name, self.names[name], local, self.ps, self.local_experts, unshard
+                )
+                out.update({k: v.to(self.dtype) for k, v in gathered.items()})
+                continue
             parts = [torch.empty_like(local) for _ in range(self.tp)]
             dist.all_gather(parts, local, group=group)
             out[self.names[name]] = unshard(name, parts).to(self.dtype)

@@ -1,9 +1,17 @@
-"""Hugging Face <-> megatron-core for the Llama / Qwen2 / Qwen3 family: config and weight names.
+"""Hugging Face <-> megatron-core for the Llama / Qwen2 / Qwen3 / Qwen3-MoE family: config and weight names.
 
 Megatron layout (local layer spec): `linear_qkv` holds, per query group, that group's query
 heads then its key and value head; `linear_fc1` holds gate then up. Tensor parallelism splits
 column-parallel weights (embedding, qkv, fc1, output) on dim 0, with fc1 split as gate and up
 separately, and row-parallel weights (attention output, fc2) on dim 1; norms are replicated.
+
+Mixture of experts (Qwen3-MoE): the router is `mlp.router.weight` (HF `mlp.gate.weight`), and
+expert `e` is `mlp.experts.local_experts.{e}.linear_fc1/linear_fc2` (a SequentialMLP). Full
+megatron names number experts globally; an expert-parallel rank holds a contiguous block of them
+(`megatron_moe`). On disk HF stores each expert's `gate_proj`, `up_proj`, `down_proj`; in memory
+transformers 5 fuses them into `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+`mlp.experts.down_proj` [E, H, I]. `hf_to_mcore` reads either; `mcore_to_hf` writes the on-disk,
+per-expert names (what `from_pretrained` and SGLang load).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import torch
 
 from patchgym.core.errors import ConfigError
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def rope_theta(hf: Any) -> float:
@@ -40,15 +48,49 @@ class Layout:
         self.groups = hf.num_key_value_heads or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.heads
         self.qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
-        self.qk_norm = hf.model_type == "qwen3"
+        self.qk_norm = hf.model_type in ("qwen3", "qwen3_moe")
+        self.experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
+        if self.experts and (list(getattr(hf, "mlp_only_layers", []) or []) or hf.decoder_sparse_step != 1):
+            raise ConfigError(
+                "Qwen3-MoE with dense layers (mlp_only_layers or decoder_sparse_step != 1) is not supported by the "
+                "megatron trainer; every layer must be a mixture of experts"
+            )
         self.tied = bool(hf.tie_word_embeddings)
         if getattr(hf, "mlp_bias", False):
             raise ConfigError("MLP biases are not supported by the megatron trainer")
 
-    def transformer_config(self, *, tp: int, pp: int, dtype: torch.dtype) -> Any:
+    def moe_settings(self, ep: int, etp: int = 1) -> dict[str, Any]:
+        """TransformerConfig fields for the experts (none for a dense model)."""
+        if not self.experts:
+            if ep != 1:
+                raise ConfigError(f"expert parallelism ep={ep} needs a mixture-of-experts model; use ep=1")
+            return {}
+        if self.experts % ep:
+            raise ConfigError(f"num_experts={self.experts} is not divisible by expert parallel size {ep}")
+        if self.hf.moe_intermediate_size % etp:
+            size = self.hf.moe_intermediate_size
+            raise ConfigError(f"moe_intermediate_size={size} is not divisible by expert tensor parallel size {etp}")
+        return {
+            "num_moe_experts": self.experts,
+            "moe_ffn_hidden_size": self.hf.moe_intermediate_size,
+            "moe_router_topk": self.hf.num_experts_per_tok,
+            "moe_router_score_function": "softmax",
+            # HF: softmax over all experts, top-k, renormalised when norm_topk_prob; megatron's default
+            # (top-k, then softmax over those) is the renormalised form, pre-softmax the other
+            "moe_router_pre_softmax": not self.hf.norm_topk_prob,
+            "moe_router_load_balancing_type": "none",  # HF's loss has no router term unless output_router_logits
+            "moe_aux_loss_coeff": 0.0,
+            "moe_router_dtype": "fp32",  # routing in float32 whatever the weights' dtype, like HF's softmax
+            "moe_grouped_gemm": False,
+            "expert_model_parallel_size": ep,
+            "expert_tensor_parallel_size": etp,
+        }
+
+    def transformer_config(self, *, tp: int, pp: int, dtype: torch.dtype, ep: int = 1, etp: int | None = None) -> Any:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         hf = self.hf
+        moe = self.moe_settings(ep, etp or tp)
         for name, value in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups)):
             if value % tp:
                 raise ConfigError(f"{name}={value} is not divisible by tensor parallel size {tp}")
@@ -60,7 +102,7 @@ class Layout:
         return TransformerConfig(
             num_layers=hf.num_hidden_layers,
             hidden_size=hf.hidden_size,
-            ffn_hidden_size=hf.intermediate_size,
+            ffn_hidden_size=hf.moe_intermediate_size if self.experts else hf.intermediate_size,
             num_attention_heads=self.heads,
             num_query_groups=self.groups,
             kv_channels=self.head_dim,
@@ -72,6 +114,7 @@ class Layout:
             add_qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_norm,
             tensor_model_parallel_size=tp,
+            sequence_parallel=bool(self.experts) and tp > 1,  # megatron's MoE layers train with TP only so
             pipeline_model_parallel_size=pp,
             pipeline_dtype=dtype,
             variable_seq_lengths=True,  # packed micro-batches differ in shape: stages send shapes first
@@ -88,6 +131,7 @@ class Layout:
             gradient_accumulation_fusion=False,
             persist_layer_norm=False,
             use_cpu_initialization=True,
+            **moe,
         )
 
     # -- names and shapes ------------------------------------------------------------------
@@ -128,10 +172,28 @@ class Layout:
                 out[m + "self_attention.k_layernorm.weight"] = hf_state[attn + "k_norm.weight"]
             out[m + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
             out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+            if self.experts:
+                out.update(self._experts_to_mcore(hf_state, h, m))
+                continue
             out[m + "mlp.linear_fc1.weight"] = torch.cat(
                 [hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]]
             )
             out[m + "mlp.linear_fc2.weight"] = hf_state[h + "mlp.down_proj.weight"]
+        return out
+
+    def _experts_to_mcore(self, hf_state: dict[str, torch.Tensor], h: str, m: str) -> dict[str, torch.Tensor]:
+        out = {m + "mlp.router.weight": hf_state[h + "mlp.gate.weight"]}
+        fused = hf_state.get(h + "mlp.experts.gate_up_proj")
+        for e in range(self.experts):
+            x, hx = f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+            if fused is not None:  # transformers' in-memory layout
+                out[x + "linear_fc1.weight"] = fused[e]
+                out[x + "linear_fc2.weight"] = hf_state[h + "mlp.experts.down_proj"][e]
+            else:  # the on-disk layout
+                out[x + "linear_fc1.weight"] = torch.cat(
+                    [hf_state[hx + "gate_proj.weight"], hf_state[hx + "up_proj.weight"]]
+                )
+                out[x + "linear_fc2.weight"] = hf_state[hx + "down_proj.weight"]
         return out
 
     def mcore_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,10 +216,29 @@ class Layout:
                 out[attn + "k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
             out[attn + "o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
             out[h + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
-            gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
-            out[h + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
+            if self.experts:
+                out[h + "mlp.gate.weight"] = state[m + "mlp.router.weight"]
+                mlps = [(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.") for e in range(self.experts)]
+            else:
+                mlps = [(m + "mlp.", h + "mlp.")]
+            for x, hx in mlps:
+                out[hx + "gate_proj.weight"], out[hx + "up_proj.weight"] = state[x + "linear_fc1.weight"].chunk(2)
+                out[hx + "down_proj.weight"] = state[x + "linear_fc2.weight"]
         return {k: v.contiguous() for k, v in out.items()}
+
+
+def fuse_experts(hf_state: dict[str, torch.Tensor], layers: int, experts: int) -> dict[str, torch.Tensor]:
+    """The per-expert (on-disk) HF tensors of a Qwen3-MoE in transformers' fused in-memory layout."""
+    out = dict(hf_state)
+    for i in range(layers):
+        h = f"model.layers.{i}.mlp.experts."
+        gate_up, down = [], []
+        for e in range(experts):
+            gate, up, d = (out.pop(f"{h}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
+            gate_up.append(torch.cat([gate, up]))
+            down.append(d)
+        out[h + "gate_up_proj"], out[h + "down_proj"] = torch.stack(gate_up), torch.stack(down)
+    return out
 
 
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")

@@ -15,5 +15,5 @@ def register_trainer_backends(register: Register) -> None:
     register(
         "megatron",
         LazyFactory("patchgym.backends.trainer.megatron:MegatronTrainer", "pip install 'patchgym[megatron]'"),
-        "megatron-core GPTModel, tensor, pipeline and data parallel under torchrun (CPU shim without GPU)",
+        "megatron-core GPTModel (dense or MoE), tensor, pipeline, data and expert parallel under torchrun (CPU shim)",
     )

@@ -1,0 +1,125 @@
+"""Expert parallelism in the Megatron trainer: expert numbering, gathering, and balanced micro-batches.
+
+With expert parallel size `ep`, each rank of an expert-parallel group holds a contiguous block of
+`num_experts / ep` experts, named `local_experts.0..` inside the rank; full (HF-convertible) names
+number them globally. Tokens reach their experts through an all-to-all in every MoE layer, so all
+ranks of an expert-parallel group must run the same number of forward passes: ranks that would
+have fewer micro-batches get empty ones (no trained tokens, so no loss and no gradient).
+Megatron's MoE layers refuse to train with tensor parallelism unless sequence parallelism is on,
+which splits each micro-batch's sequence between the TP ranks: sequences are padded to a multiple
+of tp at the end (padding has sample index -1 and loss mask 0, so spans and losses are unchanged).
+The local layer spec's torch norm refuses sequence parallelism, so `layer_spec` swaps in
+`SequenceParallelNorm`, which marks its weight for megatron to sum its gradient over the TP ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from patchgym.core.batch import MicroBatch
+from patchgym.core.errors import ConfigError
+
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def check_layout(world: int, *, tp: int, pp: int, ep: int, etp: int) -> int:
+    """The data-parallel size of `world` ranks split as tp x pp (dense layers) and etp x ep x pp (experts).
+
+    Megatron lays the expert layers out separately: `world / (pp * etp)` ranks must form whole
+    expert-parallel groups of `ep`. E.g. 8 ranks as TP4/EP8 need etp=1.
+    """
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
+        if value < 1:
+            raise ConfigError(f"{name}={value}: parallel sizes must be at least 1")
+    if world % (tp * pp):
+        raise ConfigError(f"world size {world} is not divisible by tp * pp = {tp} * {pp}")
+    if world % (pp * etp) or (world // (pp * etp)) % ep:
+        raise ConfigError(
+            f"world size {world} does not split into expert layers of pp={pp} x etp={etp} x ep={ep}: "
+            "world / (pp * etp) must be a multiple of ep (lower etp, e.g. etp=1, or ep)"
+        )
+    return world // (tp * pp)
+
+
+def is_expert(name: str) -> bool:
+    return _LOCAL_EXPERT.search(name) is not None
+
+
+def global_expert_name(name: str, ep_rank: int, local_count: int) -> str:
+    """`name` with its local expert index replaced by the global one (unchanged for other tensors)."""
+    return _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{ep_rank * local_count + int(m[1])}.", name)
+
+
+def _renumber(full_name: str, local_name: str, ep_rank: int, local_count: int) -> str:
+    """`full_name` (this rank's expert) as the same local expert of expert-parallel rank `ep_rank`."""
+    index = ep_rank * local_count + int(_LOCAL_EXPERT.search(local_name)[1])
+    return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{index}.", full_name)
+
+
+def gather_expert(
+    name: str, full_name: str, local: torch.Tensor, ps: Any, local_count: int, unshard: Any
+) -> dict[str, torch.Tensor]:
+    """One local expert tensor (`name` in this stage, `full_name` in the whole model), whole over
+    expert-TP, from every expert-parallel rank, keyed by full names."""
+    tp_group = ps.get_expert_tensor_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, local, group=tp_group)
+    whole = unshard(name, parts)
+    ep_group = ps.get_expert_model_parallel_group()
+    blocks = [torch.empty_like(whole) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(blocks, whole, group=ep_group)
+    return {_renumber(full_name, name, rank, local_count): block for rank, block in enumerate(blocks)}
+
+
+def empty_micro_batch(pad_id: int) -> MicroBatch:
+    """One padding token: a forward pass that trains nothing and yields no log-probs."""
+    return MicroBatch([[pad_id]], [[0]], [[0]], [[0.0]], [[0.0]], [[-1]], {})
+
+
+def balanced_share(mbs: list[MicroBatch], dp: int, dp_rank: int, pad_id: int) -> list[MicroBatch]:
+    """This data-parallel rank's micro-batches, padded with empty ones to the largest rank's count."""
+    mine = mbs[dp_rank::dp]
+    most = -(-len(mbs) // dp)
+    return mine + [empty_micro_batch(pad_id) for _ in range(most - len(mine))]
+
+
+def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """Micro-batch tensors ([b, s] each) padded at the end of the sequence to a multiple of `multiple`."""
+    extra = -t["input_ids"].shape[1] % multiple
+    if not extra:
+        return t
+    return {k: torch.nn.functional.pad(v, (0, extra), value=-1 if k == "sample_index" else 0) for k, v in t.items()}
+
+
+class SequenceParallelNorm:
+    """megatron's torch-norm module for sequence parallelism: each TP rank normalises its share of
+    the tokens, so the weight is marked `sequence_parallel` and megatron sums its gradient over TP."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        if config.normalization != "RMSNorm":
+            raise ConfigError(f"sequence parallelism supports RMSNorm models, not {config.normalization}")
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(config: Any, experts: int, qk_norm: bool) -> Any:
+    """The local GPT layer spec (MoE layers when `experts`); with sequence parallelism, a block spec for
+    this pipeline stage whose norms support it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, qk_layernorm=qk_norm, normalization="RMSNorm")
+    if not config.sequence_parallel:
+        return spec
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelNorm
+    if qk_norm:
+        attention = layer.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelNorm
+    layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
