@@ -129,6 +129,11 @@ class RunConfig(_Strict):
     grpo: GRPOConfig = GRPOConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint_every: int = Field(5, ge=1, description="GRPO steps between checkpoints")
+    weight_sync: Literal["auto", "distributed", "tensor", "disk"] = Field(
+        "auto", description="trainer -> engine transport (auto: distributed to engines in other processes)"
+    )
+    verify_sync: bool = Field(False, description="after each sync, compare engine and trainer log-probs of a probe")
+    verify_sync_tolerance: float = Field(1e-4, gt=0, description="largest probe log-prob gap verify_sync accepts")
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")

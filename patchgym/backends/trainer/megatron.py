@@ -1,9 +1,11 @@
 """The Megatron trainer: megatron-core `GPTModel` with tensor, pipeline and data parallelism.
 
-Launch one process per rank with torchrun (`torchrun --nproc_per_node=N program.py`, N a
-multiple of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
+One process per rank: `patchgym run` starts them itself (`patchgym.launch.ranks`, the registered
+factory), or launch them with torchrun (`torchrun --nproc_per_node=N program.py`, N a multiple
+of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
 the async `Trainer` methods, which broadcast the call to the other ranks, which sit in
-`follow()`. Data parallelism splits a batch's micro-batches between the data-parallel ranks;
+`follow()`. Collectives time out after `timeout_s`, so a hung rank stops the others with an
+error instead of a hang. Data parallelism splits a batch's micro-batches between the data-parallel ranks;
 gradients are reduced by megatron's `DistributedDataParallel` and the step is taken by its
 (optionally distributed) optimizer. Micro-batches are packed: a block-diagonal causal mask keeps
 attention inside each sample (RoPE is relative, so a sample's offset in its row does not change
@@ -24,6 +26,7 @@ Without a GPU the process group is gloo and `mcore_cpu` redirects megatron's CUD
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -99,7 +102,10 @@ class MegatronTrainer:
         dtype: str = "float32",
         seed: int = 0,
         timeout_s: float = 600.0,
+        stop_timeout_s: float = 60.0,
     ) -> None:
+        """`timeout_s` bounds every collective (a rank that hangs fails the others after it);
+        `stop_timeout_s` bounds how long `aclose()` waits for the followers to acknowledge the stop."""
         from transformers import AutoConfig
 
         path = Path(model)
@@ -113,6 +119,9 @@ class MegatronTrainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.use_distributed_optimizer = use_distributed_optimizer
         self.timeout_s = timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.placement: Any = None
+        """The follower ranks this rank started (`patchgym.launch.ranks.Placement`), stopped by `aclose()`."""
         self.optim = OptimSettings(lr, weight_decay, betas, grad_clip=grad_clip, warmup_steps=warmup_steps)
         self.version = 0
         self.step_count = 0
@@ -235,6 +244,8 @@ class MegatronTrainer:
             "dtype": str(self.dtype).removeprefix("torch."),
             "cpu_shim": mcore_cpu.needed(),
             "process_group_timeout_s": self.timeout_s,
+            "stop_timeout_s": self.stop_timeout_s,
+            "ranks_started_by": "patchgym" if self.placement is not None else "launcher",
             **self.optim.as_dict(),
         }
 
@@ -516,10 +527,26 @@ class MegatronTrainer:
     async def load(self, directory: Path) -> None:
         await self._run("load", Path(directory))
 
+    def fatal(self) -> str | None:
+        """Why training cannot go on: a follower rank this rank started has exited (else None)."""
+        dead = self.placement.dead() if self.placement is not None else []
+        return dead[0].describe() if dead else None
+
     async def aclose(self) -> None:
-        """Release the followers and the worker thread (rank 0)."""
-        if self.rank == 0 and self.world > 1:
-            await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: dist.broadcast_object_list([("stop", ())], src=0)
-            )
-        self._executor.shutdown(wait=True)
+        """Release the followers and the worker thread (rank 0); stop the ranks this rank started.
+
+        A follower that died, or one that does not take the stop within `stop_timeout_s`, is
+        not waited for: the placement kills what is left, which also fails a collective rank 0
+        may still be blocked in.
+        """
+        try:
+            if self.rank == 0 and self.world > 1 and self.fatal() is None:
+                stop = asyncio.get_running_loop().run_in_executor(
+                    self._executor, lambda: dist.broadcast_object_list([("stop", ())], src=0)
+                )
+                with contextlib.suppress(TimeoutError, RuntimeError):
+                    await asyncio.wait_for(stop, self.stop_timeout_s)
+        finally:
+            if self.placement is not None:
+                await asyncio.to_thread(self.placement.stop)
+            self._executor.shutdown(wait=self.placement is None)

@@ -14,6 +14,6 @@ def register_trainer_backends(register: Register) -> None:
     )
     register(
         "megatron",
-        LazyFactory("patchgym.backends.trainer.megatron:MegatronTrainer", "pip install 'patchgym[megatron]'"),
-        "megatron-core GPTModel, tensor, pipeline and data parallel under torchrun (CPU shim without GPU)",
+        LazyFactory("patchgym.launch.ranks:megatron_backend", "pip install 'patchgym[megatron]'"),
+        "megatron-core GPTModel, tensor, pipeline and data parallel; starts its tp*pp*dp ranks (or under torchrun)",
     )
