@@ -67,7 +67,7 @@ class Child:
     def describe(self) -> str:
         code = self.process.poll()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return f"{self.name} (pid {self.pid}) exited with {how}; log {self.log_path}:\n{self.log_tail()}"
+        return f"{self.name} (pid {self.pid}) exited ({how}); log {self.log_path}:\n{self.log_tail()}"
 
 
 class Supervisor:
