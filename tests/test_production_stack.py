@@ -43,7 +43,7 @@ def sglang_venv() -> Path:
     return require_sglang_venv()
 
 
-def stack_config(tmp_path: Path, steps: int) -> tuple[Path, Path]:
+def stack_config(tmp_path: Path, steps: int, trainer: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """The shipped config at CI sizes (few tasks, short turns, tiny batches); its path and run dir."""
     config = yaml.safe_load(CONFIG.read_text())
     cache = str(tmp_path / "cache")
@@ -55,7 +55,7 @@ def stack_config(tmp_path: Path, steps: int) -> tuple[Path, Path]:
         },
         "sandbox": {"options": {"isolation": "none"}},
         "inference": {"options": {"concurrency": 4, "launch": {"max_total_tokens": 8192}}},
-        "trainer": {"options": {"micro_batch_tokens": 2048, "warmup_steps": 0, "timeout_s": 300}},
+        "trainer": {"options": {"micro_batch_tokens": 2048, "warmup_steps": 0, "timeout_s": 300, **(trainer or {})}},
         "env": {"max_turns": 2},
         "agent": {"max_new_tokens_per_turn": 16, "max_tokens_per_trajectory": 512},
         "sft": {"epochs": 1, "batch_size": 4},
@@ -69,12 +69,14 @@ def stack_config(tmp_path: Path, steps: int) -> tuple[Path, Path]:
     return path, tmp_path / "run"
 
 
-def check_syncs(run_dir: Path, first_version: int = 1) -> list[dict[str, Any]]:
-    """Every sync reached both engines (their reported versions), by broadcast, within the probe bound."""
+def check_syncs(run_dir: Path, groups: int = 1) -> list[dict[str, Any]]:
+    """Every sync reached both engines (their reported versions), by broadcast over one group per
+    trainer pipeline stage, within the probe bound."""
     syncs = read_events(run_dir, "weight_sync")
-    assert [s["version"] for s in syncs] == list(range(first_version, first_version + len(syncs)))
+    versions = [s["version"] for s in syncs]  # a resumed run sends its checkpoint's version again
+    assert versions == sorted(versions) and sorted(set(versions)) == list(range(1, versions[-1] + 1))
     for sync in syncs:
-        assert sync["mode"] == "distributed" and sync["bytes"] > 0
+        assert sync["mode"] == "distributed" and sync["bytes"] > 0 and sync["groups"] == groups
         assert sync["engine_versions"] == [sync["version"]] * 2, sync
         assert sync["logprob_gap"] is not None and sync["logprob_gap"] <= SYNC_TOLERANCE, sync
     return syncs
@@ -97,7 +99,7 @@ def test_megatron_sglang_config_runs_sft_grpo_and_eval(tmp_path: Path) -> None:
     assert launch["trainer"]["tp"] == 2 and launch["trainer"]["ranks_started_by"] == "patchgym"
     assert launch["weight_sync"]["mode"] == "distributed" and launch["weight_sync"]["verify"]
     syncs = check_syncs(run_dir)
-    assert len(syncs) == 1 + steps  # after SFT, then after every GRPO step
+    assert [s["version"] for s in syncs] == list(range(1, steps + 2))  # after SFT, then after every GRPO step
     step_events = read_events(run_dir, "step")
     assert [s["weight_sync"]["version"] for s in step_events] == [s["version"] for s in syncs[1:]]
     assert all(s["timings"]["weight_sync_s"] == s["weight_sync"]["seconds"] for s in step_events)
@@ -111,9 +113,9 @@ def test_megatron_sglang_config_runs_sft_grpo_and_eval(tmp_path: Path) -> None:
 def test_engine_killed_mid_grpo_stops_the_run_at_the_sync_and_resume_finishes(tmp_path: Path) -> None:
     """Policy: the step under way finishes on the surviving engine (requests cut by the kill are
     retried), then the weight sync finds the dead engine and stops the run naming it; the last
-    checkpoint resumes."""
+    checkpoint resumes. Megatron PP=2 here: one weight group per pipeline stage."""
     steps = 3
-    config, run_dir = stack_config(tmp_path, steps)
+    config, run_dir = stack_config(tmp_path, steps, trainer={"tp": 1, "pp": 2})
     process = patchgym_run(str(config), log=tmp_path / "first.log")
     try:
         wait_for_event(run_dir, "step", process)
@@ -138,8 +140,7 @@ def test_engine_killed_mid_grpo_stops_the_run_at_the_sync_and_resume_finishes(tm
     assert resumed.returncode == 0, (tmp_path / "resume.log").read_text()[-4000:]
     check_grpo_accounting(run_dir, steps=steps)
     assert len(read_events(run_dir, "launch")) == 2
-    for sync in read_events(run_dir, "weight_sync"):
-        assert sync["engine_versions"] == [sync["version"]] * 2
+    check_syncs(run_dir, groups=2)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])

@@ -12,6 +12,8 @@ sync: a gap over `tolerance` stops the run.
 
 from __future__ import annotations
 
+import functools
+import math
 import shutil
 import time
 from collections.abc import Sequence
@@ -43,6 +45,8 @@ class SyncReport:
     mode: str
     seconds: float
     bytes: int
+    groups: int = 0
+    """Process groups the weights crossed (distributed: one per trainer pipeline stage), 0 otherwise."""
     engine_versions: list[int] | None = None
     logprob_gap: float | None = None
     """Max |trainer - engine| log-prob over the probe's tokens and every engine (with `verify`)."""
@@ -59,6 +63,16 @@ def resolve_mode(mode: SyncMode, engine: Any) -> str:
     if mode == "distributed" and not separate:
         raise ConfigError("weight_sync: distributed needs engines in other processes (e.g. sglang); use tensor")
     return mode
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def probe_ids(tokenizer: Any, text: str = PROBE_TEXT) -> list[int]:
@@ -118,7 +132,8 @@ class WeightSync:
                 f"trainer's by up to {gap:.3g} (verify_sync tolerance {self.tolerance:g}): the engines do not "
                 "hold the trained weights"
             )
-        return SyncReport(version, self.mode, seconds, size, versions, gap)
+        groups = len(weights.groups) if hasattr(weights, "groups") else int(self.mode == "distributed")
+        return SyncReport(version, self.mode, seconds, size, groups, versions, gap)
 
     async def _payload(self, version: int) -> tuple[Any, int]:
         """What `update_weights` takes for this mode, and its size in bytes."""
@@ -130,6 +145,8 @@ class WeightSync:
                     shutil.rmtree(old, ignore_errors=True)
             path = Path(exported.path or target)
             return str(path), sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        if self.mode == "distributed" and hasattr(self.trainer, "weight_stages"):
+            return await self._staged(version)
         state = (await self.trainer.weights()).state_dict
         size = sum(t.numel() * t.element_size() for t in state.values())
         if self.mode == "tensor":
@@ -137,6 +154,36 @@ class WeightSync:
         from patchgym.backends.inference.sglang import DistributedWeights
 
         return DistributedWeights(state, master_port=free_port(), timeout_s=self.timeout_s), size
+
+    async def _staged(self, version: int) -> tuple[Any, int]:
+        """One group per trainer pipeline stage, hosted by that stage's sending rank (Megatron)."""
+        import torch
+
+        from patchgym.backends.inference.sglang import StagedWeights, WeightGroup
+        from patchgym.backends.inference.weight_group import split_buckets
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        world_size = sum(await self.engine.engine_ranks()) + 1
+        groups, settings, buckets, size = [], [], [], 0
+        for stage, tensors in enumerate(await self.trainer.weight_stages()):
+            sizes = {name: _numel(shape) * _itemsize(dtype) for name, dtype, shape in tensors}
+            size += sum(sizes.values())
+            cut = split_buckets(sizes, self.engine.weight_bucket_bytes)
+            name, port = f"patchgym_weights_v{version}_stage{stage}", free_port()
+            groups.append(WeightGroup(name, "127.0.0.1", port, tensors, cut))
+            settings.append(
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "world_size": world_size,
+                    "backend": backend,
+                    "group_name": name,
+                    "timeout_s": self.timeout_s,
+                }
+            )
+            buckets.append(cut)
+        send = functools.partial(self.trainer.broadcast_weights, settings, buckets)
+        return StagedWeights(groups, send, backend), size
 
     async def _gap(self) -> float:
         """Max |trainer - engine| log-prob of the probe's tokens (temperature 1), over every engine."""

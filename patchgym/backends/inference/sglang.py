@@ -23,7 +23,7 @@ import contextlib
 import io
 import itertools
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +58,33 @@ class DistributedWeights:
     backend: str | None = None
     group_name: str = "patchgym_weight_update"
     timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """One weight-update group a trainer rank hosts (rank 0) and every engine rank joins."""
+
+    name: str
+    master_address: str
+    master_port: int
+    tensors: Sequence[tuple[str, str, Sequence[int]]]
+    """(name, dtype, shape) of every tensor the group carries, in sending order."""
+    buckets: Sequence[Sequence[str]]
+    """The names again, cut into the buckets the sender broadcasts one after another."""
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """Weights sent by trainer ranks in other processes: one group per pipeline stage.
+
+    `send()` starts the trainer side (each stage's rank joins its group and broadcasts its
+    buckets) and returns when it is done; the engines are told what to receive, group by
+    group and bucket by bucket, in the same order.
+    """
+
+    groups: Sequence[WeightGroup]
+    send: Callable[[], Awaitable[None]]
+    backend: str = "gloo"
 
 
 def _weight_version(value: Any) -> int:
@@ -197,10 +224,10 @@ class SGLangEngine:
             raise error(f"SGLang {what} was refused (HTTP {response.status_code}): {response.text[:500]}")
         return response.json() if response.content else None
 
-    async def _all(self, method: str, path: str, *, json: Any = None, what: str = "") -> list[Any]:
+    async def _all(self, method: str, path: str, *, json: Any = None, what: str = "", retry: bool = True) -> list[Any]:
         """The same control call on every engine, concurrently."""
         responses = await asyncio.gather(
-            *(self._request(self._control, method, u + path, json=json) for u in self.urls)
+            *(self._request(self._control, method, u + path, json=json, retry=retry) for u in self.urls)
         )
         return [self._check(r, what or path) for r in responses]
 
@@ -401,7 +428,7 @@ class SGLangEngine:
             rows.append([0.0 if e[0] is None else float(e[0]) for e in entries])
         return rows
 
-    async def _engine_ranks(self) -> list[int]:
+    async def engine_ranks(self) -> list[int]:
         """Each engine's tp * pp: given at start, else asked from `/get_server_info`."""
         if self.ranks_per_engine is None:
             infos = await self._all("GET", "/get_server_info")
@@ -415,6 +442,8 @@ class SGLangEngine:
             await self._update_from_disk(str(weights), version)
         elif isinstance(weights, DistributedWeights):
             await self._update_distributed(weights, version)
+        elif isinstance(weights, StagedWeights):
+            await self._update_staged(weights, version)
         elif isinstance(weights, Mapping):
             await self._update_from_tensors(weights, version)
         else:
@@ -457,9 +486,7 @@ class SGLangEngine:
             raise ConfigError("DistributedWeights holds no tensors to broadcast")
         buckets = split_buckets({n: t.numel() * t.element_size() for n, t in tensors.items()}, self.weight_bucket_bytes)
         backend = weights.backend or ("nccl" if any(t.is_cuda for t in tensors.values()) else "gloo")
-        ranks = await self._engine_ranks()
-        world_size = sum(ranks) + 1  # every engine rank plus the trainer (rank 0)
-        offsets = list(itertools.accumulate(ranks, initial=1))[:-1]
+        world_size, offsets = await self._group_offsets()
         broadcaster = WeightBroadcaster(
             weights.master_address, weights.master_port, world_size, backend, weights.group_name, weights.timeout_s
         )
@@ -497,6 +524,66 @@ class SGLangEngine:
         finally:
             await self._all("POST", "/destroy_weights_update_group", json={"group_name": weights.group_name})
             broadcaster.close()
+
+    async def _group_offsets(self) -> tuple[int, list[int]]:
+        """The group's world size (every engine rank plus the trainer) and each engine's first rank."""
+        ranks = await self.engine_ranks()
+        return sum(ranks) + 1, list(itertools.accumulate(ranks, initial=1))[:-1]
+
+    async def _update_staged(self, weights: StagedWeights, version: int) -> None:
+        """Every engine joins each stage's group, then receives each group's buckets in order."""
+        world_size, offsets = await self._group_offsets()
+        sending = asyncio.ensure_future(weights.send())
+        # The senders are in other processes and bounded by their own group timeouts; a refusal
+        # here is raised at once, without waiting for them.
+        sending.add_done_callback(lambda task: task.cancelled() or task.exception())
+        joined: list[str] = []
+        try:
+            for group in weights.groups:
+                calls = [
+                    self._request(
+                        self._control,
+                        "POST",
+                        url + "/init_weights_update_group",
+                        json={
+                            "master_address": group.master_address,
+                            "master_port": group.master_port,
+                            "rank_offset": offset,
+                            "world_size": world_size,
+                            "group_name": group.name,
+                            "backend": weights.backend,
+                        },
+                        retry=False,
+                    )
+                    for url, offset in zip(self.urls, offsets, strict=True)
+                ]
+                for response in await asyncio.gather(*calls):
+                    self._check(response, "init_weights_update_group")
+                joined.append(group.name)
+            await self._all("POST", "/begin_weight_update", json={}, what="begin_weight_update")
+            try:
+                last = (len(weights.groups) - 1, len(weights.groups[-1].buckets) - 1)
+                for g, group in enumerate(weights.groups):
+                    meta = {name: (dtype, shape) for name, dtype, shape in group.tensors}
+                    for b, names in enumerate(group.buckets):
+                        body: dict[str, Any] = {
+                            "names": list(names),
+                            "dtypes": [meta[n][0] for n in names],
+                            "shapes": [list(meta[n][1]) for n in names],
+                            "group_name": group.name,
+                            "flush_cache": (g, b) == last,
+                        }
+                        if (g, b) == last:  # the version and cache flush come with the complete weights
+                            body["weight_version"] = str(version)
+                        await self._all(
+                            "POST", "/update_weights_from_distributed", json=body, what="weight update", retry=False
+                        )
+            finally:
+                await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
+            await sending
+        finally:
+            for name in joined:
+                await self._all("POST", "/destroy_weights_update_group", json={"group_name": name})
 
     async def _send_bucket(
         self, broadcaster: Any, group_name: str, bucket: Mapping[str, Any], version: int | None

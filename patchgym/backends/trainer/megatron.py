@@ -75,6 +75,10 @@ def _init_distributed(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
+def _metas(state: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
+
+
 def block_causal_mask(sample_index: torch.Tensor) -> torch.Tensor:
     """[b, 1, s, s] bool, True where attention is forbidden: other samples or the future."""
     s = sample_index.shape[1]
@@ -121,6 +125,7 @@ class MegatronTrainer:
         self.timeout_s = timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.placement: Any = None
+        self._stages: list[list[tuple[str, str, list[int]]]] | None = None
         """The follower ranks this rank started (`patchgym.launch.ranks.Placement`), stopped by `aclose()`."""
         self.optim = OptimSettings(lr, weight_decay, betas, grad_clip=grad_clip, warmup_steps=warmup_steps)
         self.version = 0
@@ -394,12 +399,11 @@ class MegatronTrainer:
             optimizer.optimizer.state.clear()  # Adam starts its moments afresh at the next step
         self.step_count = 0
 
-    def _full_state(self) -> dict[str, torch.Tensor] | None:
-        """Every megatron tensor under its whole-model name, gathered over TP and pipeline stages.
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        """This pipeline stage's megatron tensors under their whole-model names, gathered over TP.
 
-        On rank 0 (on its device); None on the other ranks. Other stages' tensors travel through
-        host memory. The last stage's copy of a tied embedding (megatron marks it `shared`) is
-        left out: the first stage's is the same tensor.
+        The last stage's copy of a tied embedding (megatron marks it `shared`) is left out: the
+        first stage's is the same tensor.
         """
         group = self.ps.get_tensor_model_parallel_group()
         out = {}
@@ -410,11 +414,55 @@ class MegatronTrainer:
             parts = [torch.empty_like(local) for _ in range(self.tp)]
             dist.all_gather(parts, local, group=group)
             out[self.names[name]] = unshard(name, parts).to(self.dtype)
+        return out
+
+    def _full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every megatron tensor under its whole-model name, gathered over TP and pipeline stages.
+
+        On rank 0 (on its device); None on the other ranks. Other stages' tensors travel through
+        host memory.
+        """
+        out = self._stage_state()
         if self.pp == 1:
             return out if self.rank == 0 else None
         device = next(self.gpt.parameters()).device
         stages = self._to_rank0([{k: v.cpu() for k, v in out.items()}], self.dp_rank == 0 and self.tp_rank == 0)
         return None if stages is None else {k: v.to(device) for stage in stages for k, v in stage.items()}
+
+    @property
+    def _stage_leader(self) -> bool:
+        """The rank that sends this pipeline stage's weights: data-parallel rank 0, tensor rank 0."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    def _stage_hf(self) -> dict[str, torch.Tensor] | None:
+        """This stage's HF tensors on its leader (None elsewhere; only its tensor group gathers)."""
+        if self.dp_rank != 0:
+            return None
+        state = self.layout.mcore_to_hf(self._stage_state())
+        return state if self.tp_rank == 0 else None
+
+    def _weight_stages(self) -> list[list[tuple[str, str, list[int]]]] | None:
+        """(name, dtype, shape) of each pipeline stage's HF tensors, in stage order, on rank 0."""
+        state = self._stage_hf()
+        mine = [] if state is None else [(self.ps.get_pipeline_model_parallel_rank(), _metas(state))]
+        gathered = self._to_rank0(mine, True)
+        return None if gathered is None else [metas for _, metas in sorted(gathered)]
+
+    def _broadcast_stages(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
+        """Each stage leader joins its stage's weight-update group as rank 0 and broadcasts its buckets."""
+        from patchgym.backends.inference.weight_group import WeightBroadcaster
+
+        state = self._stage_hf()
+        if state is None:
+            return
+        stage = self.ps.get_pipeline_model_parallel_rank()
+        broadcaster = WeightBroadcaster(**groups[stage])
+        broadcaster.join()
+        try:
+            for bucket in buckets[stage]:
+                broadcaster.broadcast([state[name] for name in bucket])
+        finally:
+            broadcaster.close()
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         state = self._full_state()
@@ -467,6 +515,8 @@ class MegatronTrainer:
             "logprobs": self._logprobs,
             "train_step": self._train_step,
             "hf_state": self._hf_state,
+            "weight_stages": self._weight_stages,
+            "broadcast_stages": self._broadcast_stages,
             "export": self._export,
             "save": self._save,
             "load": self._load,
@@ -519,6 +569,17 @@ class MegatronTrainer:
         state = await self._run("hf_state")
         path = await self._run("export", Path(export_to)) if export_to is not None else None
         return TrainerWeights(self.version, state, path, {"format": "hf"})
+
+    async def weight_stages(self) -> list[list[tuple[str, str, list[int]]]]:
+        """Per pipeline stage, the (HF name, dtype, shape) of the tensors its leader sends; fixed for a run."""
+        if self._stages is None:
+            self._stages = await self._run("weight_stages")
+        return self._stages
+
+    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
+        """Stage s's leader joins `groups[s]` (`WeightBroadcaster` settings: rank 0 of a group the
+        engines join) and broadcasts `buckets[s]` (lists of names from `weight_stages()`) in order."""
+        await self._run("broadcast_stages", groups, buckets)
 
     async def save(self, directory: Path) -> None:
         """Weights (HF format) plus each rank's optimizer state and RNG state."""
