@@ -130,7 +130,7 @@ def test_engine_group_plan_gives_each_server_its_port_gpus_and_ranks(tmp_path: P
     assert all(c[c.index("--tp-size") + 1] == "2" and c[-1] == "--foo" for c in plan.engine_commands)
     assert all(c[c.index("--host") + 1] == "127.0.0.1" for c in plan.engine_commands)
     assert plan.ranks_per_engine == [2, 2]
-    assert plan.router_command is not None and plan.router_command[-4:-2] == ["--policy", "cache_aware"]
+    assert plan.router_command is not None and "cache_aware" in plan.router_command
     assert plan.router_url is not None and plan.router_url.startswith("http://127.0.0.1:")
     assert plan_group(tmp_path, launch, max_context=1024, router="none").router_command is None
     with pytest.raises(ConfigError, match="need 8 GPUs"):

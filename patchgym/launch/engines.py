@@ -76,7 +76,8 @@ def router_command(urls: Sequence[str], port: int, policy: str, python: str = sy
             "or set router: none to balance requests in the client"
         )
     command = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-    return [*command, "--worker-urls", *urls, "--policy", policy, "--log-level", "warn"]
+    command += ["--worker-urls", *urls, "--policy", policy, "--log-level", "warn"]
+    return [*command, "--worker-startup-check-interval", "1"]  # register an engine as soon as it is up
 
 
 def plan_group(model: Path, launch: EngineLaunch, *, max_context: int, router: RouterPolicy) -> GroupPlan:

@@ -405,9 +405,13 @@ class SGLangEngine:
             await asyncio.sleep(1.0)
 
     async def _answers(self, url: str) -> bool:
+        """A server answers /health; the router has registered every engine (it checks them itself)."""
         try:
-            return (await self._control.get(url + "/health")).status_code == 200
-        except httpx.HTTPError:
+            if url != self.router_url:
+                return (await self._control.get(url + "/health")).status_code == 200
+            response = await self._control.get(url + "/workers")
+            return response.status_code == 200 and response.json().get("total") == len(self.urls)
+        except (httpx.HTTPError, ValueError):
             return False
 
     async def weight_versions(self) -> list[int]:
