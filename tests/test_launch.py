@@ -119,6 +119,7 @@ def test_router_command_binds_loopback_with_the_policy() -> None:
     workers = command.index("--worker-urls")
     assert command[workers + 1 : workers + 3] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert command[command.index("--policy") + 1] == "round_robin"
+    assert command[command.index("--prometheus-host") + 1] == "127.0.0.1"
 
 
 def test_engine_group_plan_gives_each_server_its_port_gpus_and_ranks(tmp_path: Path) -> None:

@@ -77,6 +77,8 @@ def router_command(urls: Sequence[str], port: int, policy: str, python: str = sy
         )
     command = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--worker-urls", *urls, "--policy", policy, "--log-level", "warn"]
+    # its metrics exporter listens too (by default on 0.0.0.0:29000, taken by a second router)
+    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     return [*command, "--worker-startup-check-interval", "1"]  # register an engine as soon as it is up
 
 

@@ -433,9 +433,9 @@ class SGLangEngine:
         return rows
 
     async def engine_ranks(self) -> list[int]:
-        """Each engine's tp * pp: given at start, else asked from `/get_server_info`."""
+        """Each engine's tp * pp: given at start, else asked from `/server_info`."""
         if self.ranks_per_engine is None:
-            infos = await self._all("GET", "/get_server_info")
+            infos = await self._all("GET", "/server_info")
             self.ranks_per_engine = [int(i.get("tp_size", 1)) * int(i.get("pp_size", 1)) for i in infos]
         return self.ranks_per_engine
 
