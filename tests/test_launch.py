@@ -299,3 +299,28 @@ def test_trainer_rank_killed_mid_grpo_stops_the_run_then_torchrun_resumes_it(tmp
     check_grpo_accounting(run_dir, steps=steps)
     launches = read_events(run_dir, "launch")
     assert [e["trainer"]["ranks_started_by"] for e in launches] == ["patchgym", "launcher"]
+
+
+async def test_client_side_balancing_skips_an_engine_whose_server_died(tmp_path: Path) -> None:
+    """router: none: generation avoids a started engine that exited; a dead router or all engines is fatal."""
+    from patchgym.backends.inference.sglang import SGLangEngine
+
+    supervisor = Supervisor(tmp_path, stop_grace_s=5)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    children = [supervisor.start(f"sglang-engine-{i}", sleeper) for i in range(2)]
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    engine = SGLangEngine(urls, max_context=64, supervisor=supervisor)
+    try:
+        assert {engine._pick() for _ in range(4)} == set(urls) and engine.fatal() is None
+        os.kill(children[1].pid, signal.SIGKILL)
+        children[1].process.wait()
+        assert engine.dead_urls() == {urls[1]} and {engine._pick() for _ in range(4)} == {urls[0]}
+        assert engine.fatal() is None  # one engine left: the run goes on until the next weight sync
+        with pytest.raises(ProcessDiedError, match="sglang-engine-1"):
+            engine.check_engines()
+        os.kill(children[0].pid, signal.SIGKILL)
+        children[0].process.wait()
+        assert "every SGLang engine exited" in (engine.fatal() or "")
+    finally:
+        await engine.aclose()
+    assert not any(alive(c.pid) for c in children)
