@@ -324,3 +324,31 @@ async def test_client_side_balancing_skips_an_engine_whose_server_died(tmp_path:
     finally:
         await engine.aclose()
     assert not any(alive(c.pid) for c in children)
+
+
+def test_idle_rank_0_pings_its_followers_before_their_wait_times_out() -> None:
+    """Followers wait for rank 0's next call inside a collective bounded by timeout_s; during a long
+    evaluation rank 0 calls nothing, so it sends a no-op every heartbeat_s (timeout_s / 4)."""
+    pytest.importorskip("megatron.core")
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Event, Thread
+    from types import SimpleNamespace
+
+    from patchgym.backends.trainer.megatron import MegatronTrainer
+
+    pinged = Event()
+    rank0 = SimpleNamespace(
+        _closed=Event(),
+        heartbeat_s=0.05,
+        _last_call=time.monotonic(),
+        _executor=ThreadPoolExecutor(1),
+        _call=lambda command: pinged.set() if command == "ping" else None,
+    )
+    thread = Thread(target=MegatronTrainer._heartbeat, args=(rank0,))
+    thread.start()
+    try:
+        assert pinged.wait(60)
+    finally:
+        rank0._closed.set()
+        thread.join()
+        rank0._executor.shutdown()

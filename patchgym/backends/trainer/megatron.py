@@ -31,6 +31,7 @@ import functools
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -138,6 +139,10 @@ class MegatronTrainer:
         self.dp = self.world // (tp * pp)
         torch.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
+        self._last_call = time.monotonic()
+        self._closed = threading.Event()
+        if self.rank == 0 and self.world > 1:
+            threading.Thread(target=self._heartbeat, name="patchgym-megatron-heartbeat", daemon=True).start()
         with mcore_cpu.active():
             self._build()
 
@@ -250,6 +255,7 @@ class MegatronTrainer:
             "cpu_shim": mcore_cpu.needed(),
             "process_group_timeout_s": self.timeout_s,
             "stop_timeout_s": self.stop_timeout_s,
+            "heartbeat_s": self.heartbeat_s,
             "ranks_started_by": "patchgym" if self.placement is not None else "launcher",
             **self.optim.as_dict(),
         }
@@ -526,7 +532,24 @@ class MegatronTrainer:
         with mcore_cpu.active():
             return handlers[command](*args)
 
+    @property
+    def heartbeat_s(self) -> float:
+        """Rank 0 sends a no-op when it has called nothing for this long: followers wait for the next
+        call inside a collective, which would otherwise time out during a long evaluation."""
+        return self.timeout_s / 4
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(self.heartbeat_s / 4):
+            if time.monotonic() - self._last_call >= self.heartbeat_s:
+                self._last_call = time.monotonic()
+                with contextlib.suppress(RuntimeError):  # the executor shut down meanwhile
+                    self._executor.submit(self._call, "ping")
+
     def _call(self, command: str, *args: Any) -> Any:
+        self._last_call = time.monotonic()
+        if command == "ping":
+            dist.broadcast_object_list([(command, args)], src=0)
+            return None
         if self.world > 1:
             dist.broadcast_object_list([(command, args)], src=0)
         return self._execute(command, args)
@@ -541,7 +564,8 @@ class MegatronTrainer:
             command, args = message[0]
             if command == "stop":
                 return
-            self._execute(command, args)
+            if command != "ping":
+                self._execute(command, args)
 
     async def _run(self, command: str, *args: Any) -> Any:
         if self.rank != 0:
@@ -600,6 +624,7 @@ class MegatronTrainer:
         not waited for: the placement kills what is left, which also fails a collective rank 0
         may still be blocked in.
         """
+        self._closed.set()
         try:
             if self.rank == 0 and self.world > 1 and self.fatal() is None:
                 stop = asyncio.get_running_loop().run_in_executor(
