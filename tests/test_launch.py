@@ -96,7 +96,12 @@ def patchgym_run(*args: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with log.open("w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "patchgym.cli", "run", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "patchgym.cli", "run", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            # a shell that started these tests in the background made them ignore SIGINT, and children inherit that
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
 
 
