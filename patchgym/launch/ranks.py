@@ -15,6 +15,7 @@ environment, and `torchrun_follower()` tells a `patchgym run` on ranks other tha
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -124,7 +125,8 @@ def init_distributed(rendezvous: Rendezvous | None, rank: int, timeout_s: float)
 
 
 def join_watching(rendezvous: Rendezvous, placement: Placement, timeout_s: float) -> None:
-    """Join as rank 0 while watching the followers: one that exits fails this at once, with its log."""
+    """Join as rank 0 while watching the followers: one that exits fails this at once, with its log,
+    and a cancelled run (Ctrl-C) stops waiting."""
     failure: list[BaseException] = []
 
     def join() -> None:
@@ -133,10 +135,16 @@ def join_watching(rendezvous: Rendezvous, placement: Placement, timeout_s: float
         except BaseException as exc:  # reported by the caller
             failure.append(exc)
 
+    try:  # called from a coroutine (patchgym run), Ctrl-C cancels its task: stop waiting then
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
     thread = threading.Thread(target=join, name="patchgym-rendezvous", daemon=True)
     thread.start()
     while thread.is_alive():
         placement.check()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
         thread.join(0.5)
     if failure:
         raise TransportError(
