@@ -357,3 +357,20 @@ def test_idle_rank_0_pings_its_followers_before_their_wait_times_out() -> None:
         rank0._closed.set()
         thread.join()
         rank0._executor.shutdown()
+
+
+async def test_ctrl_c_while_the_ranks_meet_stops_waiting() -> None:
+    """`patchgym run` is cancelled by Ctrl-C; rank 0 waiting for followers that never come stops at once."""
+    pytest.importorskip("torch")
+    from patchgym.launch.ranks import join_watching
+
+    class NoFollowers:
+        def check(self) -> None:
+            pass
+
+    async def rank0() -> None:
+        asyncio.current_task().cancel()  # type: ignore[union-attr]  # as the first Ctrl-C does
+        join_watching(Rendezvous("127.0.0.1", free_port(), 2), NoFollowers(), timeout_s=5)  # type: ignore[arg-type]
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(rank0())
