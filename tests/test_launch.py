@@ -374,3 +374,23 @@ async def test_ctrl_c_while_the_ranks_meet_stops_waiting() -> None:
 
     with pytest.raises(asyncio.CancelledError):
         await asyncio.create_task(rank0())
+
+
+@pytest.mark.usefixtures("train_extra")
+async def test_disk_weight_sync_exports_each_version_and_keeps_the_newest(tmp_path: Path) -> None:
+    """weight_sync: disk with the embedded parts: each version is exported under RUN_DIR/weights and loaded."""
+    from rich.console import Console
+
+    from patchgym.pipeline.config import RunConfig
+    from patchgym.pipeline.run import Pipeline
+
+    changes = {"weight_sync": "disk", "metrics": {"tensorboard": False}, "eval": {"limit": 1}}
+    config = RunConfig.model_validate(run_config(tmp_path, steps=1, sft=False, changes=changes))
+    await Pipeline(config, console=Console(quiet=True)).run()
+    run_dir = Path(config.run_dir)
+    (sync,) = read_events(run_dir, "weight_sync")
+    assert sync["mode"] == "disk" and sync["version"] == 1 and sync["groups"] == 0
+    assert sync["bytes"] == sum(f.stat().st_size for f in (run_dir / "weights" / "v1").iterdir())
+    assert [p.name for p in (run_dir / "weights").iterdir()] == ["v1"]
+    reported = {k: v for k, v in sync.items() if k not in ("kind", "time")}
+    assert read_events(run_dir, "step")[0]["weight_sync"] == reported
