@@ -139,12 +139,13 @@ class MegatronTrainer:
         self.dp = self.world // (tp * pp)
         torch.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
-        self._last_call = time.monotonic()
         self._closed = threading.Event()
-        if self.rank == 0 and self.world > 1:
-            threading.Thread(target=self._heartbeat, name="patchgym-megatron-heartbeat", daemon=True).start()
         with mcore_cpu.active():
             self._build()
+        # only now: a ping during the build would interleave with the build's own collectives
+        self._last_call = time.monotonic()
+        if self.rank == 0 and self.world > 1:
+            threading.Thread(target=self._heartbeat, name="patchgym-megatron-heartbeat", daemon=True).start()
 
     # -- construction -----------------------------------------------------------------------
     def _build(self) -> None:
