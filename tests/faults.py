@@ -253,6 +253,8 @@ class SGLangFront:
             await self.engine.update_weights(dict(named), version=version)
             self.weight_versions.append(version)
             return 200, {"success": True, "message": "ok"}
+        elif path == "/model_info":
+            return 200, {"weight_version": str(self.weight_versions[-1] if self.weight_versions else 0)}
         elif path not in ("/begin_weight_update", "/end_weight_update", "/abort_request"):
             return 404, {"error": {"message": f"no route {path}"}}
         return 200, None

@@ -54,3 +54,19 @@ def test_round_trip_and_tp_sharding(kind: str) -> None:
 def test_unsupported_configs_are_refused() -> None:
     with pytest.raises(ConfigError, match="not supported"):
         Layout(transformers.GPT2Config())
+
+
+def test_each_pipeline_stage_converts_its_own_part() -> None:
+    """Per-stage weight groups: stage 0 (embedding, layer 0) and stage 1 (layer 1, norm, head) convert
+    separately to disjoint HF tensors that together make the whole model."""
+    model = small("llama")
+    layout = Layout(model.config)
+    full = layout.hf_to_mcore(model.state_dict())
+    first = {k: v for k, v in full.items() if k.startswith(("embedding.", "decoder.layers.0."))}
+    second = {k: v for k, v in full.items() if k not in first}
+    parts = [layout.mcore_to_hf(first), layout.mcore_to_hf(second)]
+    assert "model.embed_tokens.weight" in parts[0] and "lm_head.weight" in parts[1]
+    assert not set(parts[0]) & set(parts[1])
+    whole = layout.mcore_to_hf(full)
+    assert {**parts[0], **parts[1]}.keys() == whole.keys()
+    assert all(torch.equal(t, whole[k]) for part in parts for k, t in part.items())

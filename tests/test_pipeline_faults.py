@@ -45,6 +45,7 @@ def fault_config(tmp_path: Path, model: Path, *, steps: int, changes: Mapping[st
         "grpo": {"rollout": {"mode": "sync", "min_valid_members": 1, "max_infra_retries": 1}},
         "checkpoint_every": 100,
         "metrics": {"tensorboard": False},
+        "weight_sync": "tensor",  # the HTTP stand-in takes tensors (SGLang's same-host route), not a broadcast
     }
     config = run_config(tmp_path, steps=steps, sft=False, changes=merged(base, changes))
     if "options" in changes.get("inference", {}):  # another engine's options replace the embedded engine's

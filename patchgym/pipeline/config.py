@@ -132,6 +132,11 @@ class RunConfig(_Strict):
     progress_interval_s: float = Field(
         30.0, gt=0, description="seconds between progress lines when the output is not a terminal (a log file)"
     )
+    weight_sync: Literal["auto", "distributed", "tensor", "disk"] = Field(
+        "auto", description="trainer -> engine transport (auto: distributed to engines in other processes)"
+    )
+    verify_sync: bool = Field(False, description="after each sync, compare engine and trainer log-probs of a probe")
+    verify_sync_tolerance: float = Field(1e-4, gt=0, description="largest probe log-prob gap verify_sync accepts")
     metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")

@@ -43,6 +43,10 @@ from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
 from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
+from patchgym.launch.context import run_logs
+from patchgym.launch.lifecycle import close_parts, start_parts, watched
+from patchgym.launch.ranks import follow_torchrun, torchrun_follower
+from patchgym.launch.sync import SyncReport, WeightSync, probe_ids
 from patchgym.pipeline.config import RunConfig, TraceSource
 from patchgym.pipeline.progress import stage_progress
 from patchgym.pipeline.sandboxes import RunLabelledBackend
@@ -144,14 +148,19 @@ class Pipeline:
         self.state_path = self.run_dir / STATE_FILE
         self.state = RunState()
         self.results: dict[str, dict[str, float]] = {}
+        self.engine: Any = None
+        self.trainer: Any = None
+        self.backend: Any = None
+        self.log: EventLog | None = None
 
     # -- set-up ----------------------------------------------------------------------------
+    def _model_dir(self) -> Path:
+        return Path(self.config.model.path) if self.config.model.path else self.run_dir / "model-init"
+
     def _model_path(self) -> Path:
         cfg = self.config.model
-        if cfg.path:
-            return Path(cfg.path)
-        path = self.run_dir / "model-init"
-        if not (path / "config.json").exists():
+        path = self._model_dir()
+        if not cfg.path and not (path / "config.json").exists():
             from patchgym.models.tiny import init_tiny_model
 
             init_tiny_model(path, seed=self.config.seed, **(cfg.init_tiny or {}))
@@ -191,18 +200,41 @@ class Pipeline:
         if resume:
             reaped = await self.backend.reap_run()
             self.log.emit("run", event="reaped", sandboxes=reaped)
-        self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
-        self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
+        # Engines start first and come up while the trainer ranks meet and build the model.
+        with run_logs(self.run_dir):
+            self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
+            self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
+        await start_parts([self.engine, self.trainer])
+        self.weight_sync = WeightSync(
+            self.trainer,
+            self.engine,
+            mode=c.weight_sync,
+            run_dir=self.run_dir,
+            verify=c.verify_sync,
+            tolerance=c.verify_sync_tolerance,
+            probe=probe_ids(self.tokenizer),
+        )
+        settings = {name: getattr(part, "settings", dict)() for name, part in self._parts().items()}
+        self.log.emit("launch", weight_sync=self.weight_sync.settings(), **settings)
         checkpoint = self.run_dir / "checkpoints" / "latest"
         if resume and checkpoint.exists():
             await self.trainer.load(checkpoint)
             await self._sync_weights(self.state.version)
 
+    def _parts(self) -> dict[str, Any]:
+        return {"inference": self.engine, "trainer": self.trainer, "sandbox": self.backend}
+
     async def aclose(self) -> None:
-        await self.backend.reap_run()  # what a cancelled episode could not close (Ctrl-C, a failed stage)
-        for part in (self.engine, self.trainer, self.backend):
-            await part.aclose()
-        self.log.close()
+        """Stop everything that was started (servers, ranks, sandboxes), also after a failed set-up."""
+        try:
+            if self.backend is not None:
+                await self.backend.reap_run()  # what a cancelled episode could not close (Ctrl-C, a failed stage)
+        finally:
+            try:
+                await close_parts(list(self._parts().values()))
+            finally:
+                if self.log is not None:
+                    self.log.close()
 
     # -- shared pieces ---------------------------------------------------------------------
     async def _episode(self, task: Task, engine: Any, agent: AgentConfig) -> Trajectory:
@@ -212,15 +244,10 @@ class Pipeline:
         finally:
             await env.close()
 
-    async def _sync_weights(self, version: int) -> float:
-        started = time.perf_counter()
-        weights = await self.trainer.weights()
-        await self.engine.pause()
-        try:
-            await self.engine.update_weights(weights.state_dict, version=version)
-        finally:
-            await self.engine.resume()
-        return time.perf_counter() - started
+    async def _sync_weights(self, version: int) -> SyncReport:
+        report = await self.weight_sync(version)
+        self.log.emit("weight_sync", **report.as_dict())
+        return report
 
     def _save_state(self) -> None:
         self.state.events_offset = self.log.position()
@@ -426,7 +453,7 @@ class Pipeline:
         metrics = await self.trainer.train_step(TrainBatch(samples, temperature=self.config.agent.temperature), loss)
         actor_s = time.perf_counter() - started
         self.state.version += 1
-        sync_s = await self._sync_weights(self.state.version)
+        sync = await self._sync_weights(self.state.version)
         manager.publish(self.state.version)
         self.state.grpo_step += 1
         totals = manager.settle(batch)  # after publish: the stragglers it cancelled belong to this step
@@ -435,12 +462,13 @@ class Pipeline:
         now = time.perf_counter()
         wall_s, self._step_end = now - self._step_end, now
         timings = {"actor_update_s": actor_s, "rollout_wait_s": batch.metrics["rollout_wait_s"]}
-        timings["weight_sync_s"] = sync_s
+        timings["weight_sync_s"] = sync.seconds
         self.log.emit(
             "step",
             step=self.state.grpo_step,
             # orchestration: the rest of the step's wall time (batch assembly, logging, the loop itself)
             timings={**timings, "orchestration_s": max(0.0, wall_s - sum(timings.values())), "step_s": wall_s},
+            weight_sync=sync.as_dict(),
             response_length_mean=sum(sum(t.loss_mask) for t in trajectories) / len(trajectories),
             **episode_stats(trajectories),
             trainer=metrics,
@@ -457,30 +485,37 @@ class Pipeline:
 
     # -- the whole run -----------------------------------------------------------------------
     async def run(self, *, resume: bool = False) -> dict[str, dict[str, float]]:
-        await self._setup(resume)
+        if torchrun_follower():  # a torchrun rank other than 0: it serves rank 0's trainer calls
+            follow_torchrun(self._model_dir(), dict(self.config.trainer.options))
+            return {}
         try:
-            done = self.state.stages_done
-            if "eval-base" not in done:
-                await self.evaluate("base")
-                self._stage_done("eval-base")
-            if self.config.sft.enabled and "sft" not in done:
-                await self.sft()
-                await self._checkpoint()
-                self._stage_done("sft")
-            if self.config.sft.enabled and "eval-sft" not in done:
-                await self.evaluate("sft")
-                self._stage_done("eval-sft")
-            if self.config.grpo.enabled and "grpo" not in done:
-                await self.grpo()
-                self._stage_done("grpo")
-            if self.config.grpo.enabled and "eval-grpo" not in done:
-                await self.evaluate("grpo")
-                self._stage_done("eval-grpo")
-            self.log.emit("run", event="end", results=self.results)
+            await self._setup(resume)
+            async with watched([self.engine, self.trainer]):
+                await self._stages()
         finally:
             await self.aclose()
         self._print_results()
         return self.results
+
+    async def _stages(self) -> None:
+        done = self.state.stages_done
+        if "eval-base" not in done:
+            await self.evaluate("base")
+            self._stage_done("eval-base")
+        if self.config.sft.enabled and "sft" not in done:
+            await self.sft()
+            await self._checkpoint()
+            self._stage_done("sft")
+        if self.config.sft.enabled and "eval-sft" not in done:
+            await self.evaluate("sft")
+            self._stage_done("eval-sft")
+        if self.config.grpo.enabled and "grpo" not in done:
+            await self.grpo()
+            self._stage_done("grpo")
+        if self.config.grpo.enabled and "eval-grpo" not in done:
+            await self.evaluate("grpo")
+            self._stage_done("eval-grpo")
+        self.log.emit("run", event="end", results=self.results)
 
     def _print_results(self) -> None:
         k = self.config.eval.attempts

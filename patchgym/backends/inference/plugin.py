@@ -14,6 +14,6 @@ def register_inference_backends(register: Register) -> None:
     )
     register(
         "sglang",
-        LazyFactory("patchgym.backends.inference.sglang:SGLangEngine"),
-        "SGLang servers over HTTP (native API), several URLs or a router",
+        LazyFactory("patchgym.launch.engines:sglang_backend", "pip install 'patchgym[sglang]'"),
+        "SGLang servers over HTTP (native API): attach by urls, or launch a group behind the SGLang router",
     )

@@ -2,11 +2,16 @@
 
 Token in, token out: `/generate` with `input_ids` and `return_logprob`, reading the sampled
 tokens and their log-probs from `meta_info.output_token_logprobs`. Several engine URLs are
-balanced by least outstanding requests (or give one SGLang router URL). Weights are updated
+balanced by least outstanding requests, or generation goes through an SGLang router
+(`router_url`) while control calls (pause, abort, weight updates) go to each engine directly:
+the router does not forward them. Weights are updated
 from a directory (`/update_weights_from_disk`), from tensors (`/update_weights_from_tensor`,
 shared memory, same host) or over a process group (`/update_weights_from_distributed`, the
 trainer is rank 0; see `DistributedWeights`), in buckets of at most `weight_bucket_bytes`: one
-call per bucket, all inside one begin/end weight-update session. Routes and fields follow sglang 0.5.23
+call per bucket, all inside one begin/end weight-update session; the group holds the trainer
+(rank 0) and every rank of every engine (`ranks_per_engine`, tp * pp each), each engine at its
+cumulative rank offset. Servers started by patchgym (`patchgym.launch.engines`) belong to the
+engine through `supervisor`: `start()` waits for them, `aclose()` stops them. Routes and fields follow sglang 0.5.23
 (`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`).
 """
 
@@ -18,7 +23,7 @@ import contextlib
 import io
 import itertools
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +60,33 @@ class DistributedWeights:
     timeout_s: float = 300.0
 
 
+@dataclass(frozen=True)
+class WeightGroup:
+    """One weight-update group a trainer rank hosts (rank 0) and every engine rank joins."""
+
+    name: str
+    master_address: str
+    master_port: int
+    tensors: Sequence[tuple[str, str, Sequence[int]]]
+    """(name, dtype, shape) of every tensor the group carries, in sending order."""
+    buckets: Sequence[Sequence[str]]
+    """The names again, cut into the buckets the sender broadcasts one after another."""
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """Weights sent by trainer ranks in other processes: one group per pipeline stage.
+
+    `send()` starts the trainer side (each stage's rank joins its group and broadcasts its
+    buckets) and returns when it is done; the engines are told what to receive, group by
+    group and bucket by bucket, in the same order.
+    """
+
+    groups: Sequence[WeightGroup]
+    send: Callable[[], Awaitable[None]]
+    backend: str = "gloo"
+
+
 def _weight_version(value: Any) -> int:
     """SGLang keeps `weight_version` as a string ("default" before any update)."""
     try:
@@ -64,7 +96,10 @@ def _weight_version(value: Any) -> int:
 
 
 class SGLangEngine:
-    """An `InferenceEngine` backed by one or more SGLang servers (or one router)."""
+    """An `InferenceEngine` backed by one or more SGLang servers, optionally behind a router."""
+
+    out_of_process = True
+    """Weights reach it over HTTP, a process group or disk, never by sharing this process's tensors."""
 
     def __init__(
         self,
@@ -81,11 +116,18 @@ class SGLangEngine:
         retry_backoff_s: float = 0.5,
         pause_mode: PauseMode = "retract",
         ignore_eos: bool = False,
+        router_url: str | None = None,
+        ranks_per_engine: Sequence[int] | None = None,
+        supervisor: Any = None,
+        start_timeout_s: float = 600.0,
+        launch: Mapping[str, Any] | None = None,
     ) -> None:
         """`concurrency` sizes the generate connection pool (set it to the rollout concurrency);
         `weight_bucket_bytes` caps the tensors one `/update_weights_from_distributed` call
         receives (the engine's receive buffers); `ignore_eos` generates to max_new_tokens or
-        the context cap (benchmarks, tests).
+        the context cap (benchmarks, tests). `router_url`: generate through this SGLang router;
+        `ranks_per_engine`: each server's tp * pp (asked from the servers when not given);
+        `supervisor`: the `patchgym.launch.processes.Supervisor` of servers this engine started.
         Servers need `--context-length` at least `max_context + 6` (sglang_launch does this)."""
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -97,6 +139,13 @@ class SGLangEngine:
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ConfigError(f"pause_mode must be abort, retract or in_place, not {pause_mode!r}")
         self.urls = [u.rstrip("/") for u in url_list]
+        self.router_url = router_url.rstrip("/") if router_url else None
+        if ranks_per_engine is not None and len(ranks_per_engine) != len(self.urls):
+            raise ConfigError(f"ranks_per_engine has {len(ranks_per_engine)} entries for {len(self.urls)} engines")
+        self.ranks_per_engine = list(ranks_per_engine) if ranks_per_engine is not None else None
+        self.supervisor = supervisor
+        self.start_timeout_s = start_timeout_s
+        self.launch = dict(launch) if launch is not None else None
         self.max_context = max_context
         self.concurrency = concurrency
         self.control_connections = control_connections
@@ -118,7 +167,7 @@ class SGLangEngine:
             timeout=httpx.Timeout(weight_update_timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=control_connections),
         )
-        self._outstanding = dict.fromkeys(self.urls, 0)
+        self._outstanding = dict.fromkeys([self.router_url] if self.router_url else self.urls, 0)
         self._turn = itertools.count()
         self._rid_url: dict[str, str] = {}
         self._version = 0
@@ -127,6 +176,9 @@ class SGLangEngine:
         """Every limit this client applies."""
         return {
             "urls": list(self.urls),
+            "router_url": self.router_url,
+            "ranks_per_engine": self.ranks_per_engine,
+            "launch": self.launch,
             "max_context": self.max_context,
             "concurrency": self.concurrency,
             "control_connections": self.control_connections,
@@ -172,17 +224,20 @@ class SGLangEngine:
             raise error(f"SGLang {what} was refused (HTTP {response.status_code}): {response.text[:500]}")
         return response.json() if response.content else None
 
-    async def _all(self, method: str, path: str, *, json: Any = None, what: str = "") -> list[Any]:
+    async def _all(self, method: str, path: str, *, json: Any = None, what: str = "", retry: bool = True) -> list[Any]:
         """The same control call on every engine, concurrently."""
         responses = await asyncio.gather(
-            *(self._request(self._control, method, u + path, json=json) for u in self.urls)
+            *(self._request(self._control, method, u + path, json=json, retry=retry) for u in self.urls)
         )
         return [self._check(r, what or path) for r in responses]
 
     # -- generation ------------------------------------------------------------------------
     def _pick(self) -> str:
-        least = min(self._outstanding.values())
-        candidates = [u for u in self.urls if self._outstanding[u] == least]
+        if self.router_url:
+            return self.router_url
+        live = [u for u in self.urls if u not in self.dead_urls()] or self.urls
+        least = min(self._outstanding[u] for u in live)
+        candidates = [u for u in live if self._outstanding[u] == least]
         return candidates[next(self._turn) % len(candidates)]
 
     async def generate(
@@ -214,7 +269,7 @@ class SGLangEngine:
             response = await self._request(self._client, "POST", url + "/generate", json=body)
         except asyncio.CancelledError:
             with contextlib.suppress(InfraError):  # the engine may be gone: the cancellation still stands
-                await asyncio.shield(self._abort_on(url, rid))
+                await asyncio.shield(self.abort(rid))
             raise
         finally:
             self._outstanding[url] -= 1
@@ -255,9 +310,12 @@ class SGLangEngine:
         self._check(response, "abort_request")
 
     async def abort(self, request_id: str) -> None:
-        """Abort one in-flight request; its `generate` returns finish_reason "abort"."""
+        """Abort one in-flight request; its `generate` returns finish_reason "abort".
+
+        Behind a router the request may be on any engine (the router does not forward aborts)."""
         url = self._rid_url.get(request_id)
-        for target in [url] if url else self.urls:
+        targets = [url] if url and url != self.router_url else [u for u in self.urls if u not in self.dead_urls()]
+        for target in targets:
             await self._abort_on(target, request_id)
 
     async def abort_all(self) -> None:
@@ -302,6 +360,85 @@ class SGLangEngine:
     async def model_info(self) -> list[dict[str, Any]]:
         return await self._all("GET", "/model_info")
 
+    # -- servers this engine started ---------------------------------------------------------
+    def _child(self, url: str) -> Any:
+        """The server process of `url` (`sglang-engine-<index>`), if this engine started it."""
+        name = f"sglang-engine-{self.urls.index(url)}"
+        children = self.supervisor.children if self.supervisor is not None else []
+        return next((c for c in children if c.name == name), None)
+
+    def dead_urls(self) -> set[str]:
+        """Engines this client started whose server process has exited."""
+        dead = self.supervisor.dead() if self.supervisor is not None else []
+        return {u for u in self.urls if self._child(u) in dead}
+
+    def fatal(self) -> str | None:
+        """Why generation cannot go on (the router or every engine died), or None."""
+        dead = self.supervisor.dead() if self.supervisor is not None else []
+        router = [c for c in dead if c.name == "sglang-router"]
+        if router:
+            return router[0].describe()
+        if dead and len(self.dead_urls()) == len(self.urls):
+            return f"every SGLang engine exited; the first: {dead[0].describe()}"
+        return None
+
+    def check_engines(self) -> None:
+        """Raise `ProcessDiedError` if a server this engine started has exited."""
+        if self.supervisor is not None:
+            self.supervisor.check()
+
+    async def start(self) -> None:
+        """Wait until every server (and the router) this engine started answers; fail fast if one exits."""
+        if self.supervisor is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.start_timeout_s
+        targets = [*self.urls, *([self.router_url] if self.router_url else [])]
+        while True:
+            self.check_engines()
+            state = await asyncio.gather(*(self._answers(u) for u in targets))
+            if all(state):
+                return
+            if loop.time() > deadline:
+                down = ", ".join(u for u, ok in zip(targets, state, strict=True) if not ok)
+                raise TransportError(f"SGLang not ready after {self.start_timeout_s:.0f} s: {down}")
+            await asyncio.sleep(1.0)
+
+    async def _answers(self, url: str) -> bool:
+        """A server answers /health; the router has registered every engine (it checks them itself)."""
+        try:
+            if url != self.router_url:
+                return (await self._control.get(url + "/health")).status_code == 200
+            response = await self._control.get(url + "/workers")
+            return response.status_code == 200 and response.json().get("total") == len(self.urls)
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    async def weight_versions(self) -> list[int]:
+        """The weight version each engine reports (`/model_info`)."""
+        return [_weight_version(info.get("weight_version")) for info in await self.model_info()]
+
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> list[list[float]]:
+        """Each engine's log-prob of each token of `input_ids` after the ones before (entry 0: 0.0), temperature 1."""
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        rows = []
+        for out in await self._all("POST", "/generate", json=body, what="probe generate"):
+            entries = out["meta_info"]["input_token_logprobs"]
+            rows.append([0.0 if e[0] is None else float(e[0]) for e in entries])
+        return rows
+
+    async def engine_ranks(self) -> list[int]:
+        """Each engine's tp * pp: given at start, else asked from `/server_info`."""
+        if self.ranks_per_engine is None:
+            infos = await self._all("GET", "/server_info")
+            self.ranks_per_engine = [int(i.get("tp_size", 1)) * int(i.get("pp_size", 1)) for i in infos]
+        return self.ranks_per_engine
+
     # -- weights ---------------------------------------------------------------------------
     async def update_weights(self, weights: Any, *, version: int) -> None:
         """Load new weights: a directory (str/Path), a name->tensor mapping, or `DistributedWeights`."""
@@ -309,6 +446,8 @@ class SGLangEngine:
             await self._update_from_disk(str(weights), version)
         elif isinstance(weights, DistributedWeights):
             await self._update_distributed(weights, version)
+        elif isinstance(weights, StagedWeights):
+            await self._update_staged(weights, version)
         elif isinstance(weights, Mapping):
             await self._update_from_tensors(weights, version)
         else:
@@ -351,7 +490,7 @@ class SGLangEngine:
             raise ConfigError("DistributedWeights holds no tensors to broadcast")
         buckets = split_buckets({n: t.numel() * t.element_size() for n, t in tensors.items()}, self.weight_bucket_bytes)
         backend = weights.backend or ("nccl" if any(t.is_cuda for t in tensors.values()) else "gloo")
-        world_size = len(self.urls) + 1  # one rank per engine (tp=1 each) plus the trainer
+        world_size, offsets = await self._group_offsets()
         broadcaster = WeightBroadcaster(
             weights.master_address, weights.master_port, world_size, backend, weights.group_name, weights.timeout_s
         )
@@ -359,12 +498,12 @@ class SGLangEngine:
             {
                 "master_address": weights.master_address,
                 "master_port": weights.master_port,
-                "rank_offset": 1 + i,
+                "rank_offset": offset,
                 "world_size": world_size,
                 "group_name": weights.group_name,
                 "backend": backend,
             }
-            for i in range(len(self.urls))
+            for offset in offsets
         ]
         calls = [
             self._request(self._control, "POST", u + "/init_weights_update_group", json=b, retry=False)
@@ -390,6 +529,66 @@ class SGLangEngine:
             await self._all("POST", "/destroy_weights_update_group", json={"group_name": weights.group_name})
             broadcaster.close()
 
+    async def _group_offsets(self) -> tuple[int, list[int]]:
+        """The group's world size (every engine rank plus the trainer) and each engine's first rank."""
+        ranks = await self.engine_ranks()
+        return sum(ranks) + 1, list(itertools.accumulate(ranks, initial=1))[:-1]
+
+    async def _update_staged(self, weights: StagedWeights, version: int) -> None:
+        """Every engine joins each stage's group, then receives each group's buckets in order."""
+        world_size, offsets = await self._group_offsets()
+        sending = asyncio.ensure_future(weights.send())
+        # The senders are in other processes and bounded by their own group timeouts; a refusal
+        # here is raised at once, without waiting for them.
+        sending.add_done_callback(lambda task: task.cancelled() or task.exception())
+        joined: list[str] = []
+        try:
+            for group in weights.groups:
+                calls = [
+                    self._request(
+                        self._control,
+                        "POST",
+                        url + "/init_weights_update_group",
+                        json={
+                            "master_address": group.master_address,
+                            "master_port": group.master_port,
+                            "rank_offset": offset,
+                            "world_size": world_size,
+                            "group_name": group.name,
+                            "backend": weights.backend,
+                        },
+                        retry=False,
+                    )
+                    for url, offset in zip(self.urls, offsets, strict=True)
+                ]
+                for response in await asyncio.gather(*calls):
+                    self._check(response, "init_weights_update_group")
+                joined.append(group.name)
+            await self._all("POST", "/begin_weight_update", json={}, what="begin_weight_update")
+            try:
+                last = (len(weights.groups) - 1, len(weights.groups[-1].buckets) - 1)
+                for g, group in enumerate(weights.groups):
+                    meta = {name: (dtype, shape) for name, dtype, shape in group.tensors}
+                    for b, names in enumerate(group.buckets):
+                        body: dict[str, Any] = {
+                            "names": list(names),
+                            "dtypes": [meta[n][0] for n in names],
+                            "shapes": [list(meta[n][1]) for n in names],
+                            "group_name": group.name,
+                            "flush_cache": (g, b) == last,
+                        }
+                        if (g, b) == last:  # the version and cache flush come with the complete weights
+                            body["weight_version"] = str(version)
+                        await self._all(
+                            "POST", "/update_weights_from_distributed", json=body, what="weight update", retry=False
+                        )
+            finally:
+                await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
+            await sending
+        finally:
+            for name in joined:
+                await self._all("POST", "/destroy_weights_update_group", json={"group_name": name})
+
     async def _send_bucket(
         self, broadcaster: Any, group_name: str, bucket: Mapping[str, Any], version: int | None
     ) -> None:
@@ -414,5 +613,10 @@ class SGLangEngine:
             self._check(response, "update_weights_from_distributed")
 
     async def aclose(self) -> None:
-        await self._client.aclose()
-        await self._control.aclose()
+        """Close the connections and stop the servers this engine started."""
+        try:
+            await self._client.aclose()
+            await self._control.aclose()
+        finally:
+            if self.supervisor is not None:
+                await asyncio.to_thread(self.supervisor.stop)

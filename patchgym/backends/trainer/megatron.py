@@ -1,9 +1,11 @@
 """The Megatron trainer: megatron-core `GPTModel` with tensor, pipeline, data and expert parallelism.
 
-Launch one process per rank with torchrun (`torchrun --nproc_per_node=N program.py`, N a
-multiple of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
+One process per rank: `patchgym run` starts them itself (`patchgym.launch.ranks`, the registered
+factory), or launch them with torchrun (`torchrun --nproc_per_node=N program.py`, N a multiple
+of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
 the async `Trainer` methods, which broadcast the call to the other ranks, which sit in
-`follow()`. Data parallelism splits a batch's micro-batches between the data-parallel ranks;
+`follow()`. Collectives time out after `timeout_s`, so a hung rank stops the others with an
+error instead of a hang. Data parallelism splits a batch's micro-batches between the data-parallel ranks;
 gradients are reduced by megatron's `DistributedDataParallel` and the step is taken by its
 (optionally distributed) optimizer. Micro-batches are packed: a block-diagonal causal mask keeps
 attention inside each sample (RoPE is relative, so a sample's offset in its row does not change
@@ -27,10 +29,12 @@ Without a GPU the process group is gloo and `mcore_cpu` redirects megatron's CUD
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +79,10 @@ def _init_distributed(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
+def _metas(state: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
+
+
 def block_causal_mask(sample_index: torch.Tensor) -> torch.Tensor:
     """[b, 1, s, s] bool, True where attention is forbidden: other samples or the future."""
     s = sample_index.shape[1]
@@ -104,7 +112,10 @@ class MegatronTrainer:
         dtype: str = "float32",
         seed: int = 0,
         timeout_s: float = 600.0,
+        stop_timeout_s: float = 60.0,
     ) -> None:
+        """`timeout_s` bounds every collective (a rank that hangs fails the others after it);
+        `stop_timeout_s` bounds how long `aclose()` waits for the followers to acknowledge the stop."""
         from transformers import AutoConfig
 
         path = Path(model)
@@ -118,6 +129,10 @@ class MegatronTrainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.use_distributed_optimizer = use_distributed_optimizer
         self.timeout_s = timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.placement: Any = None
+        self._stages: list[list[tuple[str, str, list[int]]]] | None = None
+        """The follower ranks this rank started (`patchgym.launch.ranks.Placement`), stopped by `aclose()`."""
         self.optim = OptimSettings(lr, weight_decay, betas, grad_clip=grad_clip, warmup_steps=warmup_steps)
         self.version = 0
         self.step_count = 0
@@ -127,8 +142,13 @@ class MegatronTrainer:
         self.dp = megatron_moe.check_layout(self.world, tp=tp, pp=pp, ep=ep, etp=self.etp)
         torch.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
+        self._closed = threading.Event()
         with mcore_cpu.active():
             self._build()
+        # only now: a ping during the build would interleave with the build's own collectives
+        self._last_call = time.monotonic()
+        if self.rank == 0 and self.world > 1:
+            threading.Thread(target=self._heartbeat, name="patchgym-megatron-heartbeat", daemon=True).start()
 
     # -- construction -----------------------------------------------------------------------
     def _build(self) -> None:
@@ -249,6 +269,9 @@ class MegatronTrainer:
             "dtype": str(self.dtype).removeprefix("torch."),
             "cpu_shim": mcore_cpu.needed(),
             "process_group_timeout_s": self.timeout_s,
+            "stop_timeout_s": self.stop_timeout_s,
+            "heartbeat_s": self.heartbeat_s,
+            "ranks_started_by": "patchgym" if self.placement is not None else "launcher",
             **self.optim.as_dict(),
         }
 
@@ -400,12 +423,11 @@ class MegatronTrainer:
             optimizer.optimizer.state.clear()  # Adam starts its moments afresh at the next step
         self.step_count = 0
 
-    def _full_state(self) -> dict[str, torch.Tensor] | None:
-        """Every megatron tensor under its whole-model name, gathered over TP and pipeline stages.
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        """This pipeline stage's megatron tensors under their whole-model names, gathered over TP.
 
-        On rank 0 (on its device); None on the other ranks. Other stages' tensors travel through
-        host memory. The last stage's copy of a tied embedding (megatron marks it `shared`) is
-        left out: the first stage's is the same tensor.
+        The last stage's copy of a tied embedding (megatron marks it `shared`) is left out: the
+        first stage's is the same tensor.
         """
         group = self.ps.get_tensor_model_parallel_group()
         out = {}
@@ -422,11 +444,55 @@ class MegatronTrainer:
             parts = [torch.empty_like(local) for _ in range(self.tp)]
             dist.all_gather(parts, local, group=group)
             out[self.names[name]] = unshard(name, parts).to(self.dtype)
+        return out
+
+    def _full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every megatron tensor under its whole-model name, gathered over TP and pipeline stages.
+
+        On rank 0 (on its device); None on the other ranks. Other stages' tensors travel through
+        host memory.
+        """
+        out = self._stage_state()
         if self.pp == 1:
             return out if self.rank == 0 else None
         device = next(self.gpt.parameters()).device
         stages = self._to_rank0([{k: v.cpu() for k, v in out.items()}], self.dp_rank == 0 and self.tp_rank == 0)
         return None if stages is None else {k: v.to(device) for stage in stages for k, v in stage.items()}
+
+    @property
+    def _stage_leader(self) -> bool:
+        """The rank that sends this pipeline stage's weights: data-parallel rank 0, tensor rank 0."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    def _stage_hf(self) -> dict[str, torch.Tensor] | None:
+        """This stage's HF tensors on its leader (None elsewhere; only its tensor group gathers)."""
+        if self.dp_rank != 0:
+            return None
+        state = self.layout.mcore_to_hf(self._stage_state())
+        return state if self.tp_rank == 0 else None
+
+    def _weight_stages(self) -> list[list[tuple[str, str, list[int]]]] | None:
+        """(name, dtype, shape) of each pipeline stage's HF tensors, in stage order, on rank 0."""
+        state = self._stage_hf()
+        mine = [] if state is None else [(self.ps.get_pipeline_model_parallel_rank(), _metas(state))]
+        gathered = self._to_rank0(mine, True)
+        return None if gathered is None else [metas for _, metas in sorted(gathered)]
+
+    def _broadcast_stages(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
+        """Each stage leader joins its stage's weight-update group as rank 0 and broadcasts its buckets."""
+        from patchgym.backends.inference.weight_group import WeightBroadcaster
+
+        state = self._stage_hf()
+        if state is None:
+            return
+        stage = self.ps.get_pipeline_model_parallel_rank()
+        broadcaster = WeightBroadcaster(**groups[stage])
+        broadcaster.join()
+        try:
+            for bucket in buckets[stage]:
+                broadcaster.broadcast([state[name] for name in bucket])
+        finally:
+            broadcaster.close()
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         state = self._full_state()
@@ -479,6 +545,8 @@ class MegatronTrainer:
             "logprobs": self._logprobs,
             "train_step": self._train_step,
             "hf_state": self._hf_state,
+            "weight_stages": self._weight_stages,
+            "broadcast_stages": self._broadcast_stages,
             "export": self._export,
             "save": self._save,
             "load": self._load,
@@ -488,7 +556,24 @@ class MegatronTrainer:
         with mcore_cpu.active():
             return handlers[command](*args)
 
+    @property
+    def heartbeat_s(self) -> float:
+        """Rank 0 sends a no-op when it has called nothing for this long: followers wait for the next
+        call inside a collective, which would otherwise time out during a long evaluation."""
+        return self.timeout_s / 4
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(self.heartbeat_s / 4):
+            if time.monotonic() - self._last_call >= self.heartbeat_s:
+                self._last_call = time.monotonic()
+                with contextlib.suppress(RuntimeError):  # the executor shut down meanwhile
+                    self._executor.submit(self._call, "ping")
+
     def _call(self, command: str, *args: Any) -> Any:
+        self._last_call = time.monotonic()
+        if command == "ping":
+            dist.broadcast_object_list([(command, args)], src=0)
+            return None
         if self.world > 1:
             dist.broadcast_object_list([(command, args)], src=0)
         return self._execute(command, args)
@@ -503,7 +588,8 @@ class MegatronTrainer:
             command, args = message[0]
             if command == "stop":
                 return
-            self._execute(command, args)
+            if command != "ping":
+                self._execute(command, args)
 
     async def _run(self, command: str, *args: Any) -> Any:
         if self.rank != 0:
@@ -532,6 +618,17 @@ class MegatronTrainer:
         path = await self._run("export", Path(export_to)) if export_to is not None else None
         return TrainerWeights(self.version, state, path, {"format": "hf"})
 
+    async def weight_stages(self) -> list[list[tuple[str, str, list[int]]]]:
+        """Per pipeline stage, the (HF name, dtype, shape) of the tensors its leader sends; fixed for a run."""
+        if self._stages is None:
+            self._stages = await self._run("weight_stages")
+        return self._stages
+
+    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
+        """Stage s's leader joins `groups[s]` (`WeightBroadcaster` settings: rank 0 of a group the
+        engines join) and broadcasts `buckets[s]` (lists of names from `weight_stages()`) in order."""
+        await self._run("broadcast_stages", groups, buckets)
+
     async def save(self, directory: Path) -> None:
         """Weights (HF format) plus each rank's optimizer state and RNG state."""
         await self._run("save", Path(directory))
@@ -539,10 +636,27 @@ class MegatronTrainer:
     async def load(self, directory: Path) -> None:
         await self._run("load", Path(directory))
 
+    def fatal(self) -> str | None:
+        """Why training cannot go on: a follower rank this rank started has exited (else None)."""
+        dead = self.placement.dead() if self.placement is not None else []
+        return dead[0].describe() if dead else None
+
     async def aclose(self) -> None:
-        """Release the followers and the worker thread (rank 0)."""
-        if self.rank == 0 and self.world > 1:
-            await asyncio.get_running_loop().run_in_executor(
-                self._executor, lambda: dist.broadcast_object_list([("stop", ())], src=0)
-            )
-        self._executor.shutdown(wait=True)
+        """Release the followers and the worker thread (rank 0); stop the ranks this rank started.
+
+        A follower that died, or one that does not take the stop within `stop_timeout_s`, is
+        not waited for: the placement kills what is left, which also fails a collective rank 0
+        may still be blocked in.
+        """
+        self._closed.set()
+        try:
+            if self.rank == 0 and self.world > 1 and self.fatal() is None:
+                stop = asyncio.get_running_loop().run_in_executor(
+                    self._executor, lambda: dist.broadcast_object_list([("stop", ())], src=0)
+                )
+                with contextlib.suppress(TimeoutError, RuntimeError):
+                    await asyncio.wait_for(stop, self.stop_timeout_s)
+        finally:
+            if self.placement is not None:
+                await asyncio.to_thread(self.placement.stop)
+            self._executor.shutdown(wait=self.placement is None)

@@ -197,12 +197,18 @@ class Layout:
         return out
 
     def mcore_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF tensors (the names transformers and SGLang load) from full megatron tensors."""
-        out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"]}
-        out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-        if not self.tied:
+        """HF tensors (the names transformers and SGLang load) from full megatron tensors: of the
+        whole model, or of the part one pipeline stage holds (its layers, and the embedding or the
+        final norm and output layer where that stage has them)."""
+        out = {}
+        if "embedding.word_embeddings.weight" in state:
+            out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"]
+        if "decoder.final_layernorm.weight" in state:
+            out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+        if not self.tied and "output_layer.weight" in state:
             out["lm_head.weight"] = state["output_layer.weight"]
-        for i in range(self.hf.num_hidden_layers):
+        layers = sorted({int(k.split(".")[2]) for k in state if k.startswith("decoder.layers.")})
+        for i in layers:
             h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
             attn = h + "self_attn."
             out[h + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]

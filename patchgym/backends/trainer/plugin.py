@@ -14,6 +14,6 @@ def register_trainer_backends(register: Register) -> None:
     )
     register(
         "megatron",
-        LazyFactory("patchgym.backends.trainer.megatron:MegatronTrainer", "pip install 'patchgym[megatron]'"),
-        "megatron-core GPTModel (dense or MoE), tensor, pipeline, data and expert parallel under torchrun (CPU shim)",
+        LazyFactory("patchgym.launch.ranks:megatron_backend", "pip install 'patchgym[megatron]'"),
+        "megatron-core GPTModel (dense or MoE), tp/pp/dp/ep parallel; starts its ranks or joins torchrun",
     )

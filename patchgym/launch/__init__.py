@@ -1,0 +1,9 @@
+"""Starting and stopping what a run needs: engine groups, trainer ranks, the weight hand-off.
+
+- `engines`: the `sglang` backend factory (attach by URLs, or start N servers behind the router).
+- `ranks`: the `megatron` backend factory (rank 0 here, the other ranks started and watched).
+- `processes`: the supervisor of child processes (own sessions, die with the driver, pid records).
+- `lifecycle`: start, watch (a dead process stops the run at once) and close the parts of a run.
+- `sync`: the weight sync (tensor, distributed, disk) with its report and probe check.
+- `context`: where started processes log (`RUN_DIR/logs/` inside `patchgym run`).
+"""
