@@ -7,8 +7,11 @@ in one run:
   the prefill is left out;
 - prefill: one request with a long and with a short prompt and one new token; the difference
   per prompt token.
-Medians over `--rounds`; a least-squares line `step = base + per_seq * B` is fitted through the
-decode points. The curves are printed and written to `--out` (default
+Times are CPU seconds of the engine's processes by default (`--clock cpu`: the benchmark
+process for the embedded engine, the server's process group for SGLang), which a busy machine
+does not inflate the way it inflates elapsed time; `--clock wall` measures elapsed time.
+Medians over `--rounds`; a robust (Theil-Sen) line `step = base + per_seq * B` is fitted through
+the decode points. The curves are printed and written to `--out` (default
 benchmarks/engine_curve.json), which benchmarks/longtail.py reads.
 
     python benchmarks/engine_curve.py [--engines embedded,sglang] [--rounds 3] [--out PATH]
@@ -19,10 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -41,35 +46,57 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(count)]
 
 
-async def timed(engine: InferenceEngine, batch: list[list[int]], new_tokens: int) -> float:
+Clock = Callable[[], float]
+
+
+def session_cpu_clock(session_id: int) -> Clock:
+    """CPU seconds (user + system) used so far by every live process of a session (a server's group)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def read() -> float:
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # the process ended while we looked
+            if int(fields[3]) == session_id:  # field 6 of stat: the session id
+                total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
+        return total / tick
+
+    return read
+
+
+async def timed(engine: InferenceEngine, batch: list[list[int]], new_tokens: int, clock: Clock) -> float:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
-    start = time.perf_counter()
+    start = clock()
     generations = await asyncio.gather(*(engine.generate(p, params) for p in batch))
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     produced = {len(g.token_ids) for g in generations}
     if produced != {new_tokens}:
         raise RuntimeError(f"expected {new_tokens} tokens per request, got {sorted(produced)}: EOS not ignored?")
     return seconds
 
 
-async def measure(engine: InferenceEngine, batches: list[int], new_tokens: int, rounds: int) -> dict:
-    await timed(engine, prompts(2, SHORT_PROMPT, 0), 4)  # warm-up
+async def measure(engine: InferenceEngine, args: argparse.Namespace, clock: Clock) -> dict:
+    batches, new_tokens, rounds = args.batches, args.new_tokens, args.rounds
+    await timed(engine, prompts(2, SHORT_PROMPT, 0), 4, clock)  # warm-up
     steps: dict[int, float] = {}
     for size in batches:
         batch = prompts(size, SHORT_PROMPT, size)
         samples = []
         for _ in range(rounds):
-            full = await timed(engine, batch, new_tokens)
-            first = await timed(engine, batch, 1)
+            full = await timed(engine, batch, new_tokens, clock)
+            first = await timed(engine, batch, 1, clock)
             samples.append(max(full - first, 1e-9) / (new_tokens - 1))
         steps[size] = statistics.median(samples)
     prefill = []
     for index in range(rounds):
-        long = await timed(engine, prompts(1, LONG_PROMPT, 1000 + index), 1)
-        short = await timed(engine, prompts(1, SHORT_PROMPT, 2000 + index), 1)
+        long = await timed(engine, prompts(1, LONG_PROMPT, 1000 + index), 1, clock)
+        short = await timed(engine, prompts(1, SHORT_PROMPT, 2000 + index), 1, clock)
         prefill.append(max(long - short, 1e-9) / (LONG_PROMPT - SHORT_PROMPT))
     curve = EngineCurve.fit(steps, statistics.median(prefill))
-    return {"decode_step_s": {str(k): v for k, v in steps.items()}, "fit": curve.__dict__}
+    return {"clock": args.clock, "decode_step_s": {str(k): v for k, v in steps.items()}, "fit": curve.__dict__}
 
 
 async def embedded(model_dir: Path, args: argparse.Namespace) -> dict:
@@ -79,7 +106,7 @@ async def embedded(model_dir: Path, args: argparse.Namespace) -> dict:
         model_dir, max_context=LONG_PROMPT + args.new_tokens + 8, max_batch_size=max(args.batches), stop_at_eos=False
     )
     try:
-        return await measure(engine, args.batches, args.new_tokens, args.rounds)
+        return await measure(engine, args, time.process_time if args.clock == "cpu" else time.perf_counter)
     finally:
         await engine.aclose()
 
@@ -107,8 +134,9 @@ def sglang(model_dir: Path, args: argparse.Namespace, log_dir: Path) -> dict:
 
     async def run() -> dict:
         engine = SGLangEngine([s.url for s in servers], max_context=context, ignore_eos=True)
+        clock = session_cpu_clock(servers[0].process.pid) if args.clock == "cpu" else time.perf_counter
         try:
-            return await measure(engine, args.batches, args.new_tokens, args.rounds)
+            return await measure(engine, args, clock)
         finally:
             await engine.aclose()
 
@@ -153,5 +181,11 @@ if __name__ == "__main__":
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=31870)
+    parser.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="cpu: CPU seconds of the engine's processes (steady on a busy machine); wall: elapsed seconds",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("engine_curve.json"))
     main(parser.parse_args())

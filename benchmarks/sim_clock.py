@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import selectors
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -83,13 +84,13 @@ class EngineCurve:
 
     @staticmethod
     def fit(step_s_by_batch: dict[int, float], prefill_per_token_s: float) -> EngineCurve:
-        """Least-squares line through measured (batch size, seconds per decode step) points."""
-        xs, ys = list(step_s_by_batch), list(step_s_by_batch.values())
-        n, mean_x, mean_y = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mean_x) ** 2 for x in xs)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if n > 1 and var else 0.0
-        slope = max(slope, 0.0)
-        return EngineCurve(max(mean_y - slope * mean_x, 1e-9), slope, prefill_per_token_s)
+        """A Theil-Sen line through measured (batch size, seconds per decode step) points: the median
+        of the pairwise slopes, so that one disturbed measurement does not tilt it."""
+        points = sorted(step_s_by_batch.items())
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :]]
+        slope = max(statistics.median(slopes), 0.0) if slopes else 0.0
+        base = statistics.median(y - slope * x for x, y in points)
+        return EngineCurve(max(base, 1e-9), slope, prefill_per_token_s)
 
 
 @dataclass
