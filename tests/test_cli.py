@@ -59,7 +59,8 @@ def test_plugins_json_lists_builtins() -> None:
     records = {r["name"]: r for r in report["plugins"]}
     assert set(BUILTIN_PLUGINS) <= set(records)
     assert records["builtin-tasks"]["status"] == "loaded"
-    assert set(records["builtin-tasks"]["registered"]) == {"task set:tiny", "task set:folder", "task set:easy"}
+    task_sets = {"tiny", "folder", "easy", "locate", "mix"}
+    assert set(records["builtin-tasks"]["registered"]) == {f"task set:{name}" for name in task_sets}
     assert records["builtin-sandboxes"]["registered"] == [
         "sandbox backend:local",
         "sandbox backend:docker",
