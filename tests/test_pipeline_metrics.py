@@ -165,8 +165,9 @@ class CrashingTrainer:
 async def test_a_run_that_died_mid_step_logs_that_step_once_after_resuming(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """Step 2 logs its trajectories, then the trainer dies before the step is checkpointed: the
-    resumed run redoes step 2, and the events of the lost attempt are not left behind."""
+    """Step 1 is logged in full (trajectories and step event) but never checkpointed (checkpoints
+    every 100 steps), then the trainer dies in step 2: the resumed run redoes steps 1 and 2, and the
+    events the lost attempt wrote after the last saved state are not left behind."""
     from patchgym.backends.trainer.embedded import EmbeddedTrainer
 
     crash_at: list[int | None] = [2]
@@ -179,15 +180,16 @@ async def test_a_run_that_died_mid_step_logs_that_step_once_after_resuming(
         "model": {"path": str(tiny_model_dir)},
         "trainer": {"name": "crashing"},
         "eval": {"limit": 1},
+        "checkpoint_every": 100,
         "metrics": {"tensorboard": False},
     }
     config = RunConfig.model_validate(run_config(tmp_path, steps=3, sft=False, changes=changes))
     with pytest.raises(RuntimeError, match="host went down"):
         await run(config)
     run_dir = Path(config.run_dir)
-    assert json.loads((run_dir / "state.json").read_text())["grpo_step"] == 1
+    assert json.loads((run_dir / "state.json").read_text())["grpo_step"] == 0
     died = Counter(e["step"] for e in read_events(run_dir, "trajectory") if e["stage"] == "grpo")
-    assert died[2] > 0  # the lost step had logged its trajectories
+    assert died[1] > 0 and read_events(run_dir, "step")  # the lost attempt had logged step 1
     crash_at.append(None)
     await run(config, resume=True)
     check_grpo_accounting(run_dir, steps=3)
