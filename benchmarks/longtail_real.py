@@ -4,8 +4,8 @@ What is real: the embedded engine (continuous batching, shared by every trajecto
 tiny model, the local sandboxes (one per attempt, a real command each turn), the append-only
 token context (generated tokens plus the command's output), and the `RolloutManager`. What is
 scripted: whether an attempt solves its task. As in the reference, a few attempts (25%)
-submit after a few turns (median 3) and the rest loop: up to `--uncapped-turns` turns, or
-`--turn-cap` with the cap. The trainer, on its own devices in a real deployment, is a
+submit after a few turns (median 3) and the rest loop for 0.5-1.5x `--uncapped-turns` turns, or
+until `--turn-cap` with the cap. The trainer, on its own devices in a real deployment, is a
 `--train-s` wait, so the rows compare rollout scheduling on the same engine.
 
 Every mode runs `--steps` steps after one fill-up step; the table gives the mean step time,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import statistics
 import tempfile
@@ -54,7 +55,8 @@ class EngineAgent:
     def _plan(self) -> tuple[int, bool]:
         if self.rng.random() < SUCCESS_P:
             return max(1, round(self.rng.lognormvariate(0, 0.5) * SUCCESS_MEDIAN_TURNS)), True
-        return (min(self.args.uncapped_turns, self.turn_cap or 10**9)), False
+        loops = round(self.args.uncapped_turns * self.rng.uniform(0.5, 1.5))  # loops differ in length
+        return min(loops, self.turn_cap or 10**9), False
 
     async def __call__(self, task: Task) -> Trajectory:
         turns, solved = self._plan()
@@ -113,7 +115,8 @@ async def main(args: argparse.Namespace) -> None:
         workspace = Path(scratch) / "workspace"
         workspace.mkdir()
         (workspace / "notes.txt").write_text("".join(f"line {i}: the quick brown fox\n" for i in range(100)))
-        context = args.prompt_tokens + args.uncapped_turns * (args.tokens_per_turn + args.observation_tokens) + 8
+        longest = math.ceil(1.5 * args.uncapped_turns)
+        context = args.prompt_tokens + longest * (args.tokens_per_turn + args.observation_tokens) + 8
         engine = EmbeddedEngine(model_dir, max_context=context, max_batch_size=args.concurrency, stop_at_eos=False)
         sandboxes = LocalSandboxBackend()
         agent = EngineAgent(engine, sandboxes, workspace, args)
@@ -135,7 +138,7 @@ async def main(args: argparse.Namespace) -> None:
         title=(
             f"{args.steps} steps of {args.groups} groups x {args.group_size}, concurrency {args.concurrency}, "
             f"trainer {args.train_s:.0f} s, {args.tokens_per_turn} tokens/turn, loops of {args.uncapped_turns} "
-            f"turns (cap {args.turn_cap})"
+            f"turns on average (cap {args.turn_cap})"
         ),
     )
     for name, result in results.items():
@@ -158,7 +161,7 @@ if __name__ == "__main__":
     parser.add_argument("--tokens-per-turn", type=int, default=24)
     parser.add_argument("--observation-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--uncapped-turns", type=int, default=24, help="turns of a looping attempt without a cap")
+    parser.add_argument("--uncapped-turns", type=int, default=24, help="mean turns of a looping attempt without a cap")
     parser.add_argument("--turn-cap", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
