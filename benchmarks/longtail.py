@@ -84,6 +84,9 @@ def reference_curve(curve: EngineCurve) -> EngineCurve:
 class FlatLLM:
     """Capacity-free calls: every call takes the same time, however many run at once."""
 
+    engines: tuple[()] = ()
+    busy_s = 0.0
+
     async def generate(self, context_tokens: int, new_tokens: int) -> None:
         await asyncio.sleep(LLM_CALL_S * new_tokens / TOKENS_PER_TURN)
 
@@ -151,7 +154,7 @@ async def run_mode(
     last = loop.time()
     try:
         for step in range(steps + 1):
-            busy_before = sum(e.busy_s for e in llm.engines) if isinstance(llm, EngineGroup) else 0.0
+            busy_before = llm.busy_s
             batch = await manager.next_batch()
             assert batch is not None
             await asyncio.sleep(TRAIN_S)
@@ -160,9 +163,8 @@ async def run_mode(
             if step:  # the first step includes the pipeline filling up
                 step_times.append(now - last)
                 tails.append(agent.tail_share(batch))
-                if isinstance(llm, EngineGroup):
-                    busy = sum(e.busy_s for e in llm.engines) - busy_before
-                    utilisation.append(busy / ((now - last) * len(llm.engines)))
+                if llm.engines:
+                    utilisation.append((llm.busy_s - busy_before) / ((now - last) * len(llm.engines)))
             last = now
     finally:
         await manager.aclose()

@@ -177,6 +177,11 @@ class EngineGroup:
     def __init__(self, curve: EngineCurve, engines: int) -> None:
         self.engines = [SimulatedEngine(curve) for _ in range(engines)]
 
+    @property
+    def busy_s(self) -> float:
+        """Engine-seconds spent with work in flight, summed over the engines."""
+        return sum(e.busy_s for e in self.engines)
+
     async def generate(self, context_tokens: int, new_tokens: int) -> None:
         engine = min(self.engines, key=lambda e: e.load)
         await engine.generate(context_tokens, new_tokens)
