@@ -314,7 +314,7 @@ async def test_client_side_balancing_skips_an_engine_whose_server_died(tmp_path:
     sleeper = [sys.executable, "-c", "import time; time.sleep(3600)"]
     children = [supervisor.start(f"sglang-engine-{i}", sleeper) for i in range(2)]
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    engine = SGLangEngine(urls, max_context=64, supervisor=supervisor)
+    engine = SGLangEngine(urls, max_context=64, supervisor=supervisor, retries=0)
     try:
         assert {engine._pick() for _ in range(4)} == set(urls) and engine.fatal() is None
         os.kill(children[1].pid, signal.SIGKILL)
@@ -323,6 +323,9 @@ async def test_client_side_balancing_skips_an_engine_whose_server_died(tmp_path:
         assert engine.fatal() is None  # one engine left: the run goes on until the next weight sync
         with pytest.raises(ProcessDiedError, match="sglang-engine-1"):
             engine.check_engines()
+        # a control call (the weight sync's pause/resume) that fails names the dead server, not the socket
+        with pytest.raises(ProcessDiedError, match=r"sglang-engine-1 \(pid \d+\) exited \(killed by signal 9\)"):
+            await engine.resume()
         os.kill(children[0].pid, signal.SIGKILL)
         children[0].process.wait()
         assert "every SGLang engine exited" in (engine.fatal() or "")

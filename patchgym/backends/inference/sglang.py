@@ -225,10 +225,14 @@ class SGLangEngine:
         return response.json() if response.content else None
 
     async def _all(self, method: str, path: str, *, json: Any = None, what: str = "", retry: bool = True) -> list[Any]:
-        """The same control call on every engine, concurrently."""
-        responses = await asyncio.gather(
-            *(self._request(self._control, method, u + path, json=json, retry=retry) for u in self.urls)
-        )
+        """The same control call on every engine, concurrently; a server that died is named."""
+        try:
+            responses = await asyncio.gather(
+                *(self._request(self._control, method, u + path, json=json, retry=retry) for u in self.urls)
+            )
+        except TransportError:
+            self.check_engines()  # a dead server is the cause: say which, not a connection error
+            raise
         return [self._check(r, what or path) for r in responses]
 
     # -- generation ------------------------------------------------------------------------
