@@ -4,6 +4,7 @@ sandboxes (reward hacking included), and agreement with the swebench package's o
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,7 @@ def test_bad_rows_are_config_errors_naming_the_problem(tmp_path: Path) -> None:
 def test_image_names_follow_the_harness_conventions(tmp_path: Path) -> None:
     assert swebench_image("sympy__sympy-13031") == "swebench/sweb.eval.x86_64.sympy_1776_sympy-13031:latest"
     assert swebench_image("Django__django-1", namespace="", arch="arm64", tag="v2") == (
-        "sweb.eval.arm64.django_1776_django-1:v2"
+        "sweb.eval.arm64.django__django-1:v2"  # built locally by the harness: `__` kept
     )
     assert swesmith_image("pandas-dev/pandas", "95280573abcdef") == (
         "swebench/swesmith.x86_64.pandas-dev_1776_pandas.95280573"
@@ -125,6 +126,89 @@ def test_image_names_follow_the_harness_conventions(tmp_path: Path) -> None:
     tasks = list(SWEBenchTaskSet(write_rows(tmp_path / "rows.json", rows), **FIXTURE_OPTIONS))
     assert [t.sandbox.image for t in tasks] == ["swebench/sweb.eval.x86_64.fixture_1776_calc-1:latest", "my/image:1"]
     assert tasks[0].sandbox.workdir == "/testbed" and tasks[0].sandbox.workspace is None
+
+
+@pytest.mark.parametrize("namespace", ["swebench", ""])
+def test_image_names_are_the_ones_the_harness_gives(namespace: str) -> None:
+    """Pulled (a namespace) and locally built (none) images: the harness's own `instance_image_key`."""
+    from dataclasses import replace
+
+    from patchgym.plugins.swe_grading import _test_spec
+
+    spec = replace(
+        _test_spec("Django__django-11099", "django/django", "3.0", [], []),
+        arch="arm64",
+        namespace=namespace or None,
+        instance_image_tag="v2",
+    )
+    assert swebench_image("Django__django-11099", namespace=namespace, arch="arm64", tag="v2") == (
+        spec.instance_image_key
+    )
+
+
+def test_a_missing_local_instance_image_points_at_the_harness_not_build_base() -> None:
+    from patchgym.backends.sandbox.docker import DEFAULT_IMAGE, missing_image_hint
+
+    hint = missing_image_hint(swebench_image("django__django-1", namespace=""))
+    assert "swebench harness" in hint and "build-base" not in hint and "docker pull" not in hint
+    assert "build-base" in missing_image_hint(DEFAULT_IMAGE)
+    assert "docker pull other/x:1" in missing_image_hint("other/x:1")
+
+
+def test_reinstall_is_off_by_default_and_runs_before_the_test_patch(tmp_path: Path) -> None:
+    """The harness's images are installed already (and a sandbox has no network for pip); when
+    asked for, the install step runs before the test files are reset and the test patch applied."""
+    repos, row = swebench_fixture(tmp_path)
+    data = write_rows(tmp_path / "rows.json", [row])
+    (default,) = list(SWEBenchTaskSet(data, activate=""))
+    assert default.grader.install == ""
+    (reinstalling,) = list(SWEBenchTaskSet(data, activate="", reinstall=True))
+    assert "pip install" in reinstalling.grader.install
+    assert "pip install" not in reinstalling.grader.test_setup + reinstalling.grader.test_command
+
+
+async def test_the_install_step_sees_the_tests_before_the_patch_and_is_not_parsed(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    (task,) = list(swebench_set(tmp_path, "local-none"))
+    forged = "PASSED tests/test_calc.py::test_forged"
+    install = f"cp tests/test_calc.py seen-at-install.py; echo {shlex.quote(forged)}"
+    task = replace(task, grader=replace(task.grader, install=install))
+    backend = make_backend("local-none", tmp_path)
+    try:
+        async with await start_task_sandbox(backend, task) as sandbox:
+            grade = await task.grader.grade(sandbox)
+            seen = (await sandbox.exec("cat seen-at-install.py", timeout_s=60)).stdout
+    finally:
+        await backend.aclose()
+    assert "test_add" not in seen and "test_mul" in seen  # the test patch adds test_add
+    assert grade.details["install_exit_code"] == 0
+    assert grade.reward == 0.0 and str(grade.tests["tests/test_calc.py::test_add"]) == "FAILED"
+    assert "tests/test_calc.py::test_forged" not in grade.tests
+
+
+def test_report_counts_are_whole_where_the_lists_are_cut() -> None:
+    passing = [f"tests/test_calc.py::test_{i}" for i in range(25)]
+    log = "".join(f"PASSED {name}\n" for name in passing)
+    grader = SWELogGrader(
+        "x", "marshmallow-code/marshmallow", "3.0", tuple(passing[:1]), tuple(passing[1:]), "true", "HEAD"
+    )
+    details = grader.judge_log(log, 0).details
+    assert details["report_counts"]["PASS_TO_PASS"]["success"] == 24
+    assert len(details["report"]["PASS_TO_PASS"]["success"]) == 21  # 20 names and "... and 4 more"
+
+
+def test_fail_only_repositories_are_judged_as_the_harness_judges_them() -> None:
+    """swebench's FAIL_ONLY_REPOS (three JS repositories): a listed test the log does not mention passes."""
+    from swebench.harness.constants import FAIL_ONLY_REPOS
+
+    from patchgym.plugins.swe_grading import judge
+
+    statuses = {"a": "PASSED"}
+    (repo, *_) = sorted(FAIL_ONLY_REPOS)
+    assert judge(statuses, ["a"], ["unmentioned"], repo=repo)[0] == "RESOLVED_FULL"
+    assert judge(statuses, ["a"], ["unmentioned"], repo="psf/requests")[0] != "RESOLVED_FULL"
+    assert judge({"a": "FAILED"}, ["a"], [], repo=repo)[0] == "RESOLVED_NO"
 
 
 def test_test_command_comes_from_the_swebench_specs_offline() -> None:

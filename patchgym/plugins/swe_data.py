@@ -99,9 +99,12 @@ def _docker_name(text: str) -> str:
 
 
 def swebench_image(instance_id: str, *, namespace: str = "swebench", arch: str = "x86_64", tag: str = "latest") -> str:
-    """The swebench harness's instance image: `{ns}/sweb.eval.{arch}.{id}:{tag}`, `__` → `_1776_`."""
-    name = f"sweb.eval.{arch}.{_docker_name(instance_id)}:{tag}"
-    return f"{namespace}/{name}" if namespace else name
+    """The swebench harness's instance image, named as the harness names it: pulled ones
+    `{ns}/sweb.eval.{arch}.{id}:{tag}` with `__` → `_1776_`; with no namespace, a locally
+    built one, `sweb.eval.{arch}.{id}:{tag}` (the id only lowercased)."""
+    if not namespace:
+        return f"sweb.eval.{arch}.{instance_id.lower()}:{tag}"
+    return f"{namespace}/sweb.eval.{arch}.{_docker_name(instance_id)}:{tag}"
 
 
 def swesmith_image(repo: str, commit: str, *, namespace: str = "swebench", arch: str = "x86_64") -> str:

@@ -127,12 +127,20 @@ def parse_log(log: str, parser: str, *, repo: str = "", instance_id: str = "", v
     return {name: str(status) for name, status in statuses.items()}
 
 
-def judge(status_map: Mapping[str, str], f2p: list[str], p2p: list[str]) -> tuple[str, dict[str, Any]]:
-    """(resolution, report): swebench's FULL/PARTIAL/NO and its tests report, or patchgym's rule."""
+def judge(
+    status_map: Mapping[str, str], f2p: list[str], p2p: list[str], *, repo: str = ""
+) -> tuple[str, dict[str, Any]]:
+    """(resolution, report): swebench's FULL/PARTIAL/NO and its tests report, or patchgym's rule.
+
+    As the harness does, the repositories in swebench's `FAIL_ONLY_REPOS` count a listed test as
+    failing only when the log reports it failed."""
     if swebench_available():
+        from swebench.harness.constants import FAIL_ONLY_REPOS, EvalType
         from swebench.harness.grading import get_eval_tests_report, get_resolution_status
 
-        report = get_eval_tests_report(dict(status_map), {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p})
+        eval_type = EvalType.FAIL_ONLY if repo in FAIL_ONLY_REPOS else EvalType.PASS_AND_FAIL
+        gold = {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p}
+        report = get_eval_tests_report(dict(status_map), gold, eval_type=eval_type)
         return get_resolution_status(report), report
     tests = {name: _status(value) for name, value in status_map.items()}
     resolved, summary = resolve(tests, f2p, p2p)
@@ -176,10 +184,12 @@ def _listing(names: list[str], limit: int = 20) -> list[str]:
 class SWELogGrader(ShellGrader):
     """Grades a SWE-bench/SWE-smith instance by its test log; see the module docstring.
 
-    `restore_ref` is the commit whose test files are authoritative. `test_setup` runs first
-    (environment activation, install steps; its output is not parsed), then `test_command`, in
-    the workdir, in one clean shell. `log_parser`: "swebench" (the package's parser for `repo`),
-    a swebench `parse_log_*` name, or patchgym's "pytest"/"unittest".
+    `restore_ref` is the commit whose test files are authoritative. In the harness's order:
+    `install` (after `test_setup`, before the test files are restored and the test patch is
+    applied), then `test_setup` (environment activation, the specs' eval commands) and
+    `test_command` in one clean shell in the workdir. Only the test command's output is parsed.
+    `log_parser`: "swebench" (the package's parser for `repo`), a swebench `parse_log_*` name,
+    or patchgym's "pytest"/"unittest".
     """
 
     instance_id: str
@@ -192,6 +202,7 @@ class SWELogGrader(ShellGrader):
     test_files: tuple[str, ...] = ()
     test_patch: str = ""
     test_setup: str = ""
+    install: str = ""
     log_parser: str = "swebench"
     timeout_s: float = 1800.0
     max_log_bytes: int = 4_000_000
@@ -204,6 +215,11 @@ class SWELogGrader(ShellGrader):
 
     async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
         room = await GradingRoom.open(sandbox)
+        log = shlex.quote(room.root + "/setup.log")
+        if self.install:  # the harness installs before it resets the tests and applies the test patch
+            steps = "; ".join(s for s in (self.test_setup, self.install) if s)
+            installed = await room.run(f"{{ {steps}\n}} >> {log} 2>&1", timeout_s=self.timeout_s)
+            details["install_exit_code"] = installed.exit_code
         restored = await room.run(restore_script(self.restore_ref, self.test_files), timeout_s=300)
         if not restored.ok:
             raise GradingSetupError("cannot restore the test files (test_restore_failed)", restored.output)
@@ -212,7 +228,7 @@ class SWELogGrader(ShellGrader):
             applied = await room.run(f"{SAFE_GIT} apply -v {shlex.quote(patch_path)}", timeout_s=120)
             if not applied.ok:
                 raise GradeFailure("test_patch_failed", applied.output[-2000:])
-        setup = f"{{ {self.test_setup}\n}} >> {shlex.quote(room.root + '/setup.log')} 2>&1; " if self.test_setup else ""
+        setup = f"{{ {self.test_setup}\n}} >> {log} 2>&1; " if self.test_setup else ""
         run = await room.run(
             f"{setup}( {self.test_command}\n) 2>&1",
             timeout_s=self.timeout_s,
@@ -244,9 +260,14 @@ class SWELogGrader(ShellGrader):
             raise GradeFailure("no_test_results")
         if exit_code != 0 and not any(s in (TestStatus.FAILED, TestStatus.ERROR) for s in tests.values()):
             raise GradeFailure("exit_code_mismatch", tests=tests)
-        resolution, report = judge(status_map, list(self.fail_to_pass), list(self.pass_to_pass))
+        resolution, report = judge(status_map, list(self.fail_to_pass), list(self.pass_to_pass), repo=self.repo)
         resolved = resolution == "RESOLVED_FULL"
         details.update(resolution=resolution, reason="resolved" if resolved else "tests_failed")
+        details["report_counts"] = {  # the lists below are cut to their first names; these are whole
+            group: {k: len(v) for k, v in outcome.items() if isinstance(v, list | tuple)}
+            for group, outcome in report.items()
+            if isinstance(outcome, dict)
+        }
         details["report"] = {
             group: {k: _listing(list(v)) if isinstance(v, list | tuple) else v for k, v in outcome.items()}
             if isinstance(outcome, dict)

@@ -67,7 +67,9 @@ class SWEBenchTaskSet(LoadedTaskSet):
     Options: `path` (file or hub name), `split`, `limit` (first N), `subset` (a stratified-by-repo
     sample of N, seeded by `seed`), `ids` (comma-separated instance ids), image `namespace`,
     `tag`, `arch`, `repos_dir`, `activate` (environment activation, "" for none), `reinstall`
-    (run the specs' install step before the tests, as the harness does), `test_timeout_s`.
+    (off by default: run the specs' install step again before the test patch is applied, as the
+    harness does; the harness's images are installed already, and the install needs the network
+    a sandbox has not), `test_timeout_s`.
     """
 
     name = "swebench"
@@ -86,7 +88,7 @@ class SWEBenchTaskSet(LoadedTaskSet):
         arch: str = "x86_64",
         repos_dir: str | None = None,
         activate: str = CONDA_ACTIVATE,
-        reinstall: bool = True,
+        reinstall: bool = False,
         test_timeout_s: float = 1800.0,
     ) -> None:
         self.path = str(path)
@@ -127,16 +129,17 @@ class SWEBenchTaskSet(LoadedTaskSet):
             raise ConfigError(f"{self.path} holds no instances")
         return [self.task(row) for row in rows]
 
-    def _environment(self, row: Mapping[str, Any]) -> tuple[list[str], str]:
+    def _environment(self, row: Mapping[str, Any]) -> tuple[list[str], str, str]:
+        """(set-up steps, install step, test command) for a row."""
         if row.get("test_cmd"):
-            return [], str(row["test_cmd"])
+            return [], "", str(row["test_cmd"])
         steps, command = swebench_test_command(row)
+        install = ""
         if self.options["reinstall"]:
             from swebench.harness.constants import MAP_REPO_VERSION_TO_SPECS
 
-            install = MAP_REPO_VERSION_TO_SPECS[row["repo"]][str(row["version"])].get("install")
-            steps += [install] if install else []
-        return steps, command
+            install = MAP_REPO_VERSION_TO_SPECS[row["repo"]][str(row["version"])].get("install") or ""
+        return steps, install, command
 
     def sandbox_spec(self, row: Mapping[str, Any]) -> SandboxSpec:
         instance_id = row["instance_id"]
@@ -159,7 +162,7 @@ class SWEBenchTaskSet(LoadedTaskSet):
         f2p, p2p = (listed_tests(row.get(field), field, instance_id) for field in LIST_FIELDS)
         if not f2p:
             raise ConfigError(f"instance {instance_id!r} has an empty FAIL_TO_PASS: nothing could show a fix")
-        steps, command = self._environment(row)
+        steps, install, command = self._environment(row)
         activate = [self.options["activate"]] if self.options["activate"] else []
         grader = SWELogGrader(
             instance_id=instance_id,
@@ -169,6 +172,7 @@ class SWEBenchTaskSet(LoadedTaskSet):
             pass_to_pass=tuple(p2p),
             test_setup="; ".join([*activate, *steps]),
             test_command=command,
+            install=install,
             restore_ref=row["base_commit"],
             test_files=tuple(patch_files(row["test_patch"])),
             test_patch=row["test_patch"],

@@ -136,6 +136,22 @@ def _put_archive(container: Container, target: str, payload: Any) -> None:
         raise _translate(exc, "write failed") from exc
 
 
+def missing_image_hint(image: str) -> str:
+    """What to do about an image this engine lacks: the base image is built offline by patchgym;
+    a local SWE-bench instance image (`sweb.eval.*` without a namespace) by the swebench harness;
+    anything else is pulled (or built by whoever named it)."""
+    if image == DEFAULT_IMAGE:
+        how = "build it offline with `patchgym sandbox build-base`"
+    elif image.startswith("sweb."):
+        how = (
+            "it is a locally built SWE-bench instance image: build it with the swebench harness "
+            "(`python -m swebench.harness.prepare_images`), or set the task set's `namespace` to pull the published one"
+        )
+    else:
+        how = f"pull it with `docker pull {image}` or build it under that tag"
+    return f"image {image!r} is not available locally: {how}"
+
+
 @dataclass
 class _Stream:
     """The raw socket of a running exec, so another thread can abort the read."""
@@ -570,10 +586,7 @@ class DockerSandboxBackend(SandboxBackend):
                 **limits,
             )
         except docker.errors.ImageNotFound as exc:
-            raise BuildError(
-                f"image {shape.image!r} is not available locally: build it (`patchgym sandbox build-base` makes "
-                f"{DEFAULT_IMAGE} offline) or pull it with `docker pull {shape.image}`"
-            ) from exc
+            raise BuildError(missing_image_hint(shape.image)) from exc
         except _DOCKER_FAULTS as exc:
             raise SandboxStartError(f"cannot create a container from {shape.image!r}: {exc}") from exc
         try:
