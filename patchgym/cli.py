@@ -378,12 +378,17 @@ def sandbox_build_base(
     tag: Annotated[str, typer.Option(help="image name to create")] = "patchgym/base:latest",
     suite: Annotated[str, typer.Option(help="Debian suite for debootstrap")] = "bookworm",
     mirror: Annotated[str | None, typer.Option(help="Debian mirror URL (default: debootstrap's)")] = None,
+    python: Annotated[
+        str, typer.Option(help="the Python package (the suite sets its version: bullseye 3.9, bookworm 3.11)")
+    ] = "python3",
+    package: Annotated[list[str] | None, typer.Option(help="an extra Debian package to include (repeatable)")] = None,
 ) -> None:
     """Build the offline base image (Debian minbase + python3, git, patch) without any registry."""
-    from patchgym.backends.sandbox.docker_base import build_base_image
+    from patchgym.backends.sandbox.docker_base import BASE_PACKAGES, build_base_image
 
+    packages = tuple(dict.fromkeys([python if p == "python3" else p for p in BASE_PACKAGES] + list(package or [])))
     with console.status(f"debootstrap {suite} and docker import as {tag} (about a minute)"):
-        image_id = build_base_image(tag, suite=suite, mirror=mirror)
+        image_id = build_base_image(tag, suite=suite, mirror=mirror, packages=packages)
     console.print(f"built {escape(tag)} ({image_id[:19]})")
 
 

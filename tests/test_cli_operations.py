@@ -101,17 +101,20 @@ def docker_client():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="build-base runs debootstrap as root")
-def test_build_base_passes_suite_mirror_and_tag_to_the_build(fake_debootstrap: Path) -> None:
+def test_build_base_passes_suite_mirror_python_packages_and_tag_to_the_build(fake_debootstrap: Path) -> None:
     client = docker_client()
     tag = f"patchgym-test-base-{uuid.uuid4().hex[:12]}:t1"
     mirror = "http://127.0.0.1:9/debian"
     try:
-        result = runner.invoke(app, ["sandbox", "build-base", "--tag", tag, "--suite", "trixie", "--mirror", mirror])
+        options = ["--tag", tag, "--suite", "bullseye", "--mirror", mirror, "--python", "python3.9"]
+        result = runner.invoke(app, ["sandbox", "build-base", *options, "--package", "make", "--package", "curl"])
         assert result.exit_code == 0, result.output
         assert f"built {tag}" in result.output
         variant, include, suite, root, given_mirror = fake_debootstrap.read_text().splitlines()
-        assert (variant, suite, given_mirror) == ("--variant=minbase", "trixie", mirror)
-        assert include.startswith("--include=") and {"python3", "git", "patch"} <= set(include[10:].split(","))
+        assert (variant, suite, given_mirror) == ("--variant=minbase", "bullseye", mirror)
+        included = set(include.removeprefix("--include=").split(","))
+        assert include.startswith("--include=") and {"python3.9", "git", "patch", "make", "curl"} <= included
+        assert "python3" not in included
         image = client.images.get(tag)
         assert image.attrs["Config"]["Env"] == ["LANG=C.UTF-8"] or "LANG=C.UTF-8" in image.attrs["Config"]["Env"]
     finally:
