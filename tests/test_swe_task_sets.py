@@ -167,6 +167,19 @@ def test_reinstall_is_off_by_default_and_runs_before_the_test_patch(tmp_path: Pa
     assert "pip install" not in reinstalling.grader.test_setup + reinstalling.grader.test_command
 
 
+async def test_every_default_option_grades_on_an_image_without_conda_or_network(tmp_path: Path) -> None:
+    """Defaults as a user meets them: conda activation absent from the image, no pip install."""
+    repos, row = swebench_fixture(tmp_path)
+    (task,) = list(SWEBenchTaskSet(write_rows(tmp_path / "rows.json", [row]), repos_dir=str(repos)))
+    backend = make_backend("local-none", tmp_path)
+    try:
+        report = await validate_task(backend, task)
+    finally:
+        await backend.aclose()
+    assert report.valid, report.problems
+    assert report.gold and "install_exit_code" not in report.gold.details
+
+
 async def test_the_install_step_sees_the_tests_before_the_patch_and_is_not_parsed(tmp_path: Path) -> None:
     from dataclasses import replace
 
