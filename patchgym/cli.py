@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import sys
+import threading
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -76,8 +79,20 @@ TaskOptionsOpt = Annotated[
 ]
 
 
+def exit_if_threads_are_stuck(code: int) -> None:
+    """End the process now with `code` if a worker thread is still running after the command
+    failed: a blocking call whose peer died (a weight-update rendezvous with a killed engine)
+    never returns, and the interpreter would wait for it at exit forever."""
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if stuck:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def friendly_errors(fn: F) -> F:
-    """Turn patchgym's own errors into a red message and exit code 2."""
+    """Turn patchgym's own errors into a red message and exit code 2 (at once, also when a
+    worker thread is stuck)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -85,6 +100,7 @@ def friendly_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except PatchgymError as exc:
             console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+            exit_if_threads_are_stuck(2)
             raise typer.Exit(2) from exc
 
     return wrapper  # type: ignore[return-value]

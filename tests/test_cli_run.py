@@ -147,3 +147,37 @@ def test_without_a_terminal_progress_is_a_plain_line_at_a_steady_interval() -> N
     assert re.fullmatch(
         r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d grpo: step 5/10, [\d.e+]+ step/min, ETA \d+s, last reward 0\.500", line
     ), line
+
+
+STUCK_WORKER = """
+import threading
+import typer
+from patchgym.cli import friendly_errors
+from patchgym.core.errors import InfraError
+
+@friendly_errors
+def fail():
+    # a worker blocked for good, as a trainer thread in a rendezvous with a killed engine is
+    threading.Thread(target=threading.Event().wait, name="blocked-worker").start()
+    raise InfraError("sglang-engine-1 exited")
+
+try:
+    fail()
+except typer.Exit:
+    pass
+"""
+
+
+def test_a_failed_command_exits_even_when_a_worker_thread_is_stuck() -> None:
+    """Without the exit, the interpreter would join the blocked thread forever (a hung run)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUCK_WORKER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        output, _ = process.communicate(timeout=300)  # generous: a hang never ends
+    finally:
+        process.kill()
+    assert process.returncode == 2 and "error: sglang-engine-1 exited" in output, output
