@@ -95,9 +95,9 @@ async def grade_after(backend: SandboxBackend, task: Task, command: str | None, 
 async def test_gold_and_empty(backend: SandboxBackend, roman: Task, pytest_task: Task) -> None:
     for task in (roman, pytest_task):
         gold = await grade_after(backend, task, None, gold=True)
-        assert gold["reward"] == 1.0 and gold["details"]["reason"] == "resolved"
+        assert gold["reward"] == 1.0 and gold["resolved"] and gold["details"]["reason"] == "resolved"
         empty = await grade_after(backend, task, None)
-        assert empty["reward"] == 0.0 and empty["details"]["reason"] == "tests_failed"
+        assert empty["reward"] == 0.0 and not empty["resolved"] and empty["details"]["reason"] == "tests_failed"
 
 
 async def test_edited_test_files_are_restored(backend: SandboxBackend, roman: Task) -> None:

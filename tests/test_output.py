@@ -22,8 +22,9 @@ def test_a_capped_stream_keeps_its_head_and_its_last_bytes(chunk: int) -> None:
     assert buffer.total == len(stream) and buffer.truncated
     head, marker, tail = buffer.getvalue().partition(b"\n[... ")
     assert marker, "a truncated stream says that bytes were left out"
-    tail = tail.split(b" bytes omitted ...]\n", 1)[1]
+    count, tail = tail.split(b" bytes omitted ...]\n", 1)
     assert head == stream[:500] and tail == stream[-500:]
+    assert int(count) == len(stream) - 1000  # the marker counts exactly the bytes it stands for
     assert buffer.text().endswith("line 049999\n")
 
 
@@ -64,3 +65,12 @@ def test_a_zero_limit_keeps_nothing_but_the_count() -> None:
     assert buffer.getvalue() == b"\n[... 3 bytes omitted ...]\n"
     with pytest.raises(ValueError, match=">= 0 bytes"):
         CappedBuffer(-1)
+
+
+def test_bytes_dropped_at_the_source_are_counted_between_head_and_tail() -> None:
+    buffer = CappedBuffer(1000)
+    buffer.write(b"h" * 600)
+    assert not buffer.truncated
+    buffer.omit(5000)  # e.g. a sandbox that cut its stream before sending it
+    assert buffer.total == 5600 and buffer.truncated
+    assert buffer.getvalue() == b"h" * 500 + b"\n[... 5000 bytes omitted ...]\n" + b"h" * 100
