@@ -91,8 +91,7 @@ def exit_if_threads_are_stuck(code: int) -> None:
 
 
 def friendly_errors(fn: F) -> F:
-    """Turn patchgym's own errors into a red message and exit code 2 (at once, also when a
-    worker thread is stuck)."""
+    """Turn patchgym's own errors into a red message and exit code 2."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -100,7 +99,6 @@ def friendly_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except PatchgymError as exc:
             console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-            exit_if_threads_are_stuck(2)
             raise typer.Exit(2) from exc
 
     return wrapper  # type: ignore[return-value]
@@ -548,5 +546,18 @@ def eval_chat_model(
 
 tasks_app.command("generate")(friendly_errors(generate_tasks))
 
+
+def main() -> None:
+    """The `patchgym` command: `app()`, and after a failure an exit that does not wait for a
+    stuck worker thread (see `exit_if_threads_are_stuck`)."""
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if code:
+            exit_if_threads_are_stuck(code)
+        raise
+
+
 if __name__ == "__main__":
-    app()
+    main()

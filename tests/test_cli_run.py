@@ -150,21 +150,20 @@ def test_without_a_terminal_progress_is_a_plain_line_at_a_steady_interval() -> N
 
 
 STUCK_WORKER = """
+import sys
 import threading
-import typer
-from patchgym.cli import friendly_errors
+from patchgym import cli
 from patchgym.core.errors import InfraError
 
-@friendly_errors
-def fail():
+@cli.app.command("fail-stuck")
+@cli.friendly_errors
+def fail_stuck():
     # a worker blocked for good, as a trainer thread in a rendezvous with a killed engine is
     threading.Thread(target=threading.Event().wait, name="blocked-worker").start()
     raise InfraError("sglang-engine-1 exited")
 
-try:
-    fail()
-except typer.Exit:
-    pass
+sys.argv = ["patchgym", "fail-stuck"]
+cli.main()
 """
 
 
