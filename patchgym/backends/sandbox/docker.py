@@ -139,7 +139,7 @@ def _put_archive(container: Container, target: str, payload: Any) -> None:
 def missing_image_hint(image: str) -> str:
     """What to do about an image this engine lacks: the base image is built offline by patchgym;
     a local SWE-bench instance image (`sweb.eval.*` without a namespace) by the swebench harness;
-    anything else is pulled (or built by whoever named it)."""
+    anything else is built (a Debian base by patchgym, under that tag) or pulled."""
     if image == DEFAULT_IMAGE:
         how = "build it offline with `patchgym sandbox build-base`"
     elif image.startswith("sweb."):
@@ -148,7 +148,10 @@ def missing_image_hint(image: str) -> str:
             "(`python -m swebench.harness.prepare_images`), or set the task set's `namespace` to pull the published one"
         )
     else:
-        how = f"pull it with `docker pull {image}` or build it under that tag"
+        how = (
+            f"build it (`patchgym sandbox build-base --tag {image}` makes a Debian base offline) "
+            f"or pull it with `docker pull {image}`"
+        )
     return f"image {image!r} is not available locally: {how}"
 
 
