@@ -198,3 +198,23 @@ async def test_settings_report_every_limit(backend) -> None:
     settings = backend.settings()
     assert settings["threads"] == settings["http_pool_size"] == 8 + settings["pool_refill_concurrency"]
     assert {"pool_size", "kill_grace_s", "default_image", "owner", "run_id"} <= set(settings)
+
+
+def test_an_exec_refused_because_the_container_stopped_is_a_lost_sandbox() -> None:
+    """The engine answers 409, or 500 while the container is still being torn down; both mean the
+    sandbox is gone (so a grading sandbox killed by its own code is graded again), not a transport fault."""
+    import docker.errors
+    import requests
+
+    from patchgym.backends.sandbox.docker import _translate
+    from patchgym.core.errors import SandboxLostError, TransportError
+
+    def refused(status: int, explanation: str) -> Exception:
+        response = requests.Response()
+        response.status_code = status
+        return docker.errors.APIError("exec_create", response=response, explanation=explanation)
+
+    stopped = "Container 166ab883e22d is not running: Exited (137) Less than a second ago"
+    assert isinstance(_translate(refused(500, stopped), "exec channel"), SandboxLostError)
+    assert isinstance(_translate(refused(409, "conflict"), "exec channel"), SandboxLostError)
+    assert isinstance(_translate(refused(500, "disk full"), "exec channel"), TransportError)

@@ -89,7 +89,8 @@ def _translate(exc: Exception, what: str) -> InfraError:
     if isinstance(exc, docker.errors.NotFound):
         return SandboxLostError(f"{what}: the container is gone ({exc.explanation})")
     if isinstance(exc, docker.errors.APIError):
-        if exc.status_code == 409:
+        # 409, or a 500 when the container stopped while the engine was starting an exec in it
+        if exc.status_code == 409 or "is not running" in str(exc.explanation or ""):
             return SandboxLostError(f"{what}: the container is not running ({exc.explanation})")
         return TransportError(f"{what}: Docker engine error {exc.status_code}: {exc.explanation}")
     return TransportError(f"{what}: cannot reach the Docker engine: {exc}")
