@@ -398,11 +398,10 @@ def sandbox_build_base(
     package: Annotated[list[str] | None, typer.Option(help="an extra Debian package to include (repeatable)")] = None,
 ) -> None:
     """Build the offline base image (Debian minbase + python3, git, patch) without any registry."""
-    from patchgym.backends.sandbox.docker_base import BASE_PACKAGES, build_base_image
+    from patchgym.backends.sandbox.docker_base import build_base_image
 
-    packages = tuple(dict.fromkeys([python if p == "python3" else p for p in BASE_PACKAGES] + list(package or [])))
     with console.status(f"debootstrap {suite} and docker import as {tag} (about a minute)"):
-        image_id = build_base_image(tag, suite=suite, mirror=mirror, packages=packages)
+        image_id = build_base_image(tag, suite=suite, mirror=mirror, python=python, extra_packages=tuple(package or ()))
     console.print(f"built {escape(tag)} ({image_id[:19]})")
 
 

@@ -18,7 +18,8 @@ import docker.errors
 
 from patchgym.core.errors import BuildError, ConfigError
 
-BASE_PACKAGES = ("python3", "git", "patch", "ca-certificates")
+BASE_PACKAGES = ("git", "patch", "ca-certificates")
+"""Debian packages every base image holds besides its Python."""
 
 
 def build_base_image(
@@ -26,10 +27,13 @@ def build_base_image(
     *,
     suite: str = "bookworm",
     mirror: str | None = None,
-    packages: tuple[str, ...] = BASE_PACKAGES,
+    python: str = "python3",
+    extra_packages: tuple[str, ...] = (),
     client: docker.DockerClient | None = None,
 ) -> str:
-    """Create `tag` from a minimal debootstrap of Debian `suite`; returns the image id."""
+    """Create `tag` from a minimal debootstrap of Debian `suite` with the Debian package `python`
+    (the suite sets its version), `BASE_PACKAGES` and `extra_packages`; returns the image id."""
+    packages = tuple(dict.fromkeys((python, *BASE_PACKAGES, *extra_packages)))
     if shutil.which("debootstrap") is None:
         raise ConfigError("`debootstrap` is not installed: apt-get install debootstrap")
     if os.geteuid() != 0:
