@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +132,6 @@ def test_image_names_follow_the_harness_conventions(tmp_path: Path) -> None:
 @pytest.mark.parametrize("namespace", ["swebench", ""])
 def test_image_names_are_the_ones_the_harness_gives(namespace: str) -> None:
     """Pulled (a namespace) and locally built (none) images: the harness's own `instance_image_key`."""
-    from dataclasses import replace
-
     from patchgym.plugins.swe_grading import _test_spec
 
     spec = replace(
@@ -181,8 +180,6 @@ async def test_every_default_option_grades_on_an_image_without_conda_or_network(
 
 
 async def test_the_install_step_sees_the_tests_before_the_patch_and_is_not_parsed(tmp_path: Path) -> None:
-    from dataclasses import replace
-
     (task,) = list(swebench_set(tmp_path, "local-none"))
     forged = "PASSED tests/test_calc.py::test_forged"
     install = f"cp tests/test_calc.py seen-at-install.py; echo {shlex.quote(forged)}"
