@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.cli import app
 from patchgym.core.plugins import registry
 from patchgym.launch.context import run_logs
-from patchgym.launch.plan import LaunchPlan, PlannedPorts
+from patchgym.launch.plan import LaunchPlan, PlannedPorts, ProcessPlan
 from patchgym.launch.processes import Supervisor
 from patchgym.launch.ranks import RankSpec
 from patchgym.pipeline.config import load_run_config
@@ -83,6 +84,27 @@ def test_reference_plan_places_the_recipe() -> None:
         assert process.coords == plan.layout.coords(process.rank)
     assert any("is not a folder" in note for note in plan.notes)  # the model is not on this machine
     assert json.loads(json.dumps(plan.to_dict()))["layout"]["world"] == 8
+
+
+def test_a_placer_decides_where_each_process_runs() -> None:
+    """The placement is one input: a cluster placer fills `Where`, and the plan groups ranks by node from it."""
+
+    class TwoNodes:
+        name = "two-nodes"
+
+        def place(self, plan: LaunchPlan) -> LaunchPlan:
+            def where(p: ProcessPlan) -> ProcessPlan:
+                node = "trainer-node" if p.rank is not None else "inference-node"
+                return replace(p, where=replace(p.where, node=node))
+
+            return replace(plan, processes=tuple(where(p) for p in plan.processes))
+
+    config = load_run_config(REFERENCE)
+    plan = plan_run(config, ["patchgym", "run"], placer=TwoNodes())
+    assert plan.placement == "two-nodes" and plan.ranks_by_node() == {"trainer-node": list(range(8))}
+    assert plan.nodes()["inference-node"] == [*(f"sglang-engine-{i}" for i in range(24)), "sglang-router"]
+    assert plan.to_dict()["processes"][1]["where"]["node"] == "inference-node"
+    assert plan_run(config, ["patchgym", "run"]).ranks_by_node() == {"local": list(range(8))}
 
 
 def test_the_launch_starts_what_the_plan_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -156,17 +156,17 @@ def plan_group(
         extra_args=(*(["--tp-size", str(tp)] if tp > 1 else []), *launch.extra_args),
     )
     env = {**server_env_changes(base), **launch.env}
-    engines = []
+    engines, urls = [], []
     for i in range(launch.engines):
         settings = replace(base, base_port=ports(), gpus=(gpus[i * tp],))
         own = tuple(gpus[i * tp : (i + 1) * tp]) if device == "cuda" else ()
         where = Where(host=settings.host, gpus=own, resources={"GPU": tp} if device == "cuda" else {})
-        url = f"http://{settings.host}:{settings.base_port}"
-        engines.append(ProcessPlan(f"sglang-engine-{i}", "engine", where, tuple(server_command(settings, 0)), env, url))
-    urls = tuple(p.url for p in engines if p.url)
+        urls.append(f"http://{settings.host}:{settings.base_port}")
+        argv = tuple(server_command(settings, 0))
+        engines.append(ProcessPlan(f"sglang-engine-{i}", "engine", where, argv, env, url=urls[-1]))
     front = router_process(urls, router, ports) if router != "none" else None
     return SGLangPlan(
-        engine_urls=urls,
+        engine_urls=tuple(urls),
         router_url=front.url if front else None,
         processes=(*engines, *([front] if front else [])),
         launch=launch,
@@ -237,27 +237,25 @@ def sglang_backend(
     from patchgym.backends.inference.sglang import SGLangEngine
 
     plan = plan_sglang(model, build=True, ports=free_port, urls=urls, launch=launch, router=router, **client)
+    if not plan.processes:  # attached servers, balanced in the client
+        return SGLangEngine(list(plan.engine_urls), **client)
     if plan.router_url is not None:
         require_router()
-    settings = plan.launch
-    supervisor = None
-    if plan.processes:
-        grace = {} if settings is None else {"stop_grace_s": settings.stop_grace_s}
-        supervisor = Supervisor(log_dir("sglang"), **grace)
+    settings, started = plan.launch, {}
+    if settings is not None:
+        started = {
+            "ranks_per_engine": [settings.tp] * settings.engines,
+            "start_timeout_s": settings.health_timeout_s,
+            "launch": settings.model_dump(),
+        }
+    grace = {} if settings is None else {"stop_grace_s": settings.stop_grace_s}
+    supervisor = Supervisor(log_dir("sglang"), **grace)
     try:
         for process in plan.processes:
-            supervisor.start(process.name, list(process.argv), process.environ())  # type: ignore[union-attr]
-        started = {}
-        if settings is not None:
-            started = {
-                "ranks_per_engine": [settings.tp] * settings.engines,
-                "start_timeout_s": settings.health_timeout_s,
-                "launch": settings.model_dump(),
-            }
+            supervisor.start(process.name, list(process.argv), process.environ())
         return SGLangEngine(
             list(plan.engine_urls), router_url=plan.router_url, supervisor=supervisor, **started, **client
         )
     except BaseException:
-        if supervisor is not None:
-            supervisor.stop()
+        supervisor.stop()
         raise

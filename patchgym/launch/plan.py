@@ -5,8 +5,8 @@ resources a scheduler must reserve), its argv and the environment variables it g
 the environment `patchgym run` inherits. The launchers (`engines.plan_sglang`,
 `ranks.plan_ranks`) build them with the same pure functions whether they then start them or
 only show them (`patchgym run --dry-run`), so the dry run shows what would run. A placement
-decides `Where`: today's is `LOCAL` (every process on the machine `patchgym run` starts on);
-a cluster placement fills the same fields with its node assignments.
+(`Placer`) decides `Where`: today's, `LocalPlacer`, keeps every process on the machine
+`patchgym run` starts on; a cluster placement fills the same fields with its node assignments.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from patchgym.backends.trainer.parallel import MegatronLayout
 
@@ -104,6 +104,23 @@ def _process_dict(process: ProcessPlan) -> dict[str, Any]:
     data["env"] = dict(process.env)
     data["runs"] = list(process.runs)
     return data
+
+
+class Placer(Protocol):
+    """Decides where each planned process runs: fills `Where` (node, host, GPUs, resources)."""
+
+    name: str
+
+    def place(self, plan: LaunchPlan) -> LaunchPlan: ...
+
+
+class LocalPlacer:
+    """Today's placement: every process on the machine `patchgym run` starts on, as the launchers planned it."""
+
+    name = LOCAL
+
+    def place(self, plan: LaunchPlan) -> LaunchPlan:
+        return plan
 
 
 def spans(numbers: list[int]) -> str:

@@ -3,7 +3,8 @@
 The plan comes from the same functions the launch uses (`plan_sglang`, `plan_ranks`,
 `rank_process`, SGLang's `server_command`), with stand-in ports instead of free ones and the CPU
 SGLang venv's path instead of a build; no process, port, download or venv is made, and no GPU is
-needed. The placement is today's: every process on the machine `patchgym run` runs on.
+needed. The placement is an input (`Placer`); today's, `LocalPlacer`, runs every process on the
+machine `patchgym run` runs on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from patchgym.backends.trainer.parallel import ModelShape, check_split
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import Kind, LazyFactory, registry
 from patchgym.launch.engines import SGLangPlan, plan_sglang, require_router, sglang_backend
-from patchgym.launch.plan import LOCAL, LaunchPlan, PlannedPorts, ProcessPlan, Where, spans
+from patchgym.launch.plan import LaunchPlan, LocalPlacer, Placer, PlannedPorts, ProcessPlan, Where, spans
 from patchgym.launch.ranks import RanksPlan, loopback_env, megatron_backend, plan_ranks, rank_process, torchrun_world
 from patchgym.pipeline.config import RunConfig
 from patchgym.pipeline.run import check_files, check_parts, model_dir
@@ -34,8 +35,10 @@ def _factory(kind: Kind, name: str) -> Callable[..., Any]:
     return factory.load() if isinstance(factory, LazyFactory) else factory
 
 
-def plan_run(config: RunConfig, command: Sequence[str]) -> LaunchPlan:
-    """Every process `command` (a `patchgym run` of `config`) would start, after the checks it makes first."""
+def plan_run(config: RunConfig, command: Sequence[str], placer: Placer | None = None) -> LaunchPlan:
+    """Every process `command` (a `patchgym run` of `config`) would start, after the checks it makes first,
+    placed by `placer` (default: `LocalPlacer`, everything on this machine)."""
+    placer = placer or LocalPlacer()
     check_parts(config)
     notes: list[str] = []
     try:
@@ -78,14 +81,15 @@ def plan_run(config: RunConfig, command: Sequence[str]) -> LaunchPlan:
             f"ports {ports.given[0]}-{ports.given[-1]} stand in for the free ports of 127.0.0.1 that `patchgym run` "
             "takes when it starts each process"
         )
-    return LaunchPlan(
-        placement=LOCAL,
+    plan = LaunchPlan(
+        placement=placer.name,
         processes=(driver, *processes),
         layout=layout,
         engine_urls=engines.engine_urls,
         router_url=engines.router_url,
         notes=tuple(notes),
     )
+    return placer.place(plan)
 
 
 def _check_model(model: Path, options: dict[str, Any]) -> str:
