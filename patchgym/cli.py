@@ -334,6 +334,13 @@ def run_pipeline(
     config: Annotated[Path | None, typer.Argument(help="a run configuration (YAML)")] = None,
     resume: Annotated[Path | None, typer.Option(help="continue the run in this directory")] = None,
     overwrite: Annotated[bool, typer.Option(help="remove an earlier run in the config's run_dir first")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="print what would start where (commands, environment, Megatron layout); start nothing"
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="with --dry-run: print the plan as JSON")] = False,
 ) -> None:
     """Run the pipeline: eval base → SFT → eval → GRPO → eval, with checkpoints and metrics.
 
@@ -347,6 +354,8 @@ def run_pipeline(
 
     if (config is None) == (resume is None):
         raise ConfigError("give either CONFIG (a new run) or --resume RUN_DIR (continue a run)")
+    if as_json and not dry_run:
+        raise ConfigError("--json prints the plan of --dry-run: add --dry-run")
     source = resume / "config.yaml" if resume is not None else config
     assert source is not None
     if resume is not None and not source.is_file():
@@ -354,6 +363,10 @@ def run_pipeline(
     settings = load_run_config(source)
     if resume is not None:
         settings = settings.model_copy(update={"run_dir": str(resume)})
+    if dry_run:
+        command = ["patchgym", "run", *(["--resume", str(resume)] if resume is not None else [str(config)])]
+        _print_plan(settings, command, as_json)
+        return
     check_config(settings)
     if resume is None:
         _claim_run_dir(Path(settings.run_dir), overwrite)
@@ -362,6 +375,20 @@ def run_pipeline(
     with library_output_to(Path(settings.run_dir)):  # library warnings and logging: RUN_DIR/library.log
         asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
     console.print(f"events, checkpoints and plots: {escape(settings.run_dir)} (`patchgym report` draws the plots)")
+
+
+def _print_plan(settings: Any, command: list[str], as_json: bool) -> None:
+    """`patchgym run --dry-run`: the launch plan, as a table and tree or as JSON."""
+    from patchgym.launch.show import render_plan
+    from patchgym.pipeline.dry_run import plan_run
+
+    plan = plan_run(settings, command)
+    if as_json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return
+    title = f"launch plan of {' '.join(command)} (placement: {plan.placement})"
+    for shown in render_plan(plan, title):
+        console.print(shown, soft_wrap=True)
 
 
 @app.command()

@@ -24,7 +24,7 @@ import yaml
 from patchgym.core.errors import ConfigError
 from patchgym.core.metrics import read_events
 from patchgym.core.plugins import registry
-from patchgym.launch.engines import EngineLaunch, free_port, plan_group, router_command
+from patchgym.launch.engines import EngineLaunch, engine_runtime, free_port, plan_group, router_command
 from patchgym.launch.lifecycle import close_parts, watched
 from patchgym.launch.processes import ProcessDiedError, Supervisor
 from patchgym.launch.ranks import RankSpec, Rendezvous
@@ -118,29 +118,41 @@ def kill_quietly(process: subprocess.Popen) -> None:
 
 # -- pure pieces ---------------------------------------------------------------------------------
 def test_router_command_binds_loopback_with_the_policy() -> None:
-    command = router_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], 7000, "round_robin", python="py")
+    command = router_command(
+        ["http://127.0.0.1:1", "http://127.0.0.1:2"], 7000, "round_robin", metrics_port=7001, python="py"
+    )
     assert command[:3] == ["py", "-m", "sglang_router.launch_router"]
     assert command[command.index("--host") + 1] == "127.0.0.1" and command[command.index("--port") + 1] == "7000"
     workers = command.index("--worker-urls")
     assert command[workers + 1 : workers + 3] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert command[command.index("--policy") + 1] == "round_robin"
     assert command[command.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert command[command.index("--prometheus-port") + 1] == "7001"
 
 
 def test_engine_group_plan_gives_each_server_its_port_gpus_and_ranks(tmp_path: Path) -> None:
-    launch = EngineLaunch(engines=2, tp=2, python="/opt/sgl/bin/python", extra_args=["--foo"])
-    plan = plan_group(tmp_path, launch, max_context=1024, router="cache_aware")
-    ports = [c[c.index("--port") + 1] for c in plan.engine_commands]
-    assert len(set(ports)) == 2 and plan.engine_urls == [f"http://127.0.0.1:{p}" for p in ports]
-    assert [c[c.index("--base-gpu-id") + 1] for c in plan.engine_commands] == ["0", "2"]
-    assert all(c[c.index("--tp-size") + 1] == "2" and c[-1] == "--foo" for c in plan.engine_commands)
-    assert all(c[c.index("--host") + 1] == "127.0.0.1" for c in plan.engine_commands)
-    assert plan.ranks_per_engine == [2, 2]
-    assert plan.router_command is not None and "cache_aware" in plan.router_command
+    launch = EngineLaunch(engines=2, tp=2, python="/opt/sgl/bin/python", extra_args=["--foo"], env={"X": "1"})
+    runtime = engine_runtime(launch, build=False)
+    plan = plan_group(tmp_path, launch, max_context=1024, router="cache_aware", runtime=runtime)
+    engines = [p for p in plan.processes if p.role == "engine"]
+    commands = [list(p.argv) for p in engines]
+    ports = [c[c.index("--port") + 1] for c in commands]
+    assert len(set(ports)) == 2 and list(plan.engine_urls) == [f"http://127.0.0.1:{p}" for p in ports]
+    assert [c[c.index("--base-gpu-id") + 1] for c in commands] == ["0", "2"]
+    assert [p.where.gpus for p in engines] == [(0, 1), (2, 3)]
+    assert all(c[0] == "/opt/sgl/bin/python" for c in commands)
+    assert all(c[c.index("--tp-size") + 1] == "2" and c[-1] == "--foo" for c in commands)
+    assert all(c[c.index("--host") + 1] == "127.0.0.1" for c in commands)
+    assert all(p.env["X"] == "1" and p.env["HF_HUB_OFFLINE"] == "1" for p in engines)
+    router = plan.processes[-1]
+    assert router.role == "router" and "cache_aware" in router.argv and router.url == plan.router_url
     assert plan.router_url is not None and plan.router_url.startswith("http://127.0.0.1:")
-    assert plan_group(tmp_path, launch, max_context=1024, router="none").router_command is None
+    no_router = plan_group(tmp_path, launch, max_context=1024, router="none", runtime=runtime)
+    assert no_router.router_url is None and all(p.role == "engine" for p in no_router.processes)
     with pytest.raises(ConfigError, match="need 8 GPUs"):
-        plan_group(tmp_path, EngineLaunch(engines=4, tp=2, gpus=[0, 1]), max_context=1024, router="none")
+        plan_group(
+            tmp_path, EngineLaunch(engines=4, tp=2, gpus=[0, 1]), max_context=1024, router="none", runtime=runtime
+        )
 
 
 def test_rank_spec_round_trips() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.core.errors import ConfigError
 from patchgym.pipeline.config import load_run_config
 
@@ -35,11 +36,17 @@ def test_reference_component_options_match_the_factories() -> None:
     pytest.importorskip("torch")
     from patchgym.backends.inference.sglang import SGLangEngine
     from patchgym.backends.trainer.megatron import MegatronTrainer
+    from patchgym.launch.engines import EngineLaunch
+    from patchgym.launch.ranks import megatron_backend
 
     config = load_run_config(REFERENCE)
     assert (config.trainer.name, config.inference.name) == ("megatron", "sglang")
-    inspect.signature(MegatronTrainer).bind(config.model.path, **config.trainer.options)
-    inspect.signature(SGLangEngine).bind(**config.inference.options)
+    inspect.signature(megatron_backend).bind(config.model.path, **config.trainer.options)
+    trainer_options = {k: v for k, v in config.trainer.options.items() if k != "dp"}  # dp is the backend's
+    inspect.signature(MegatronTrainer).bind(config.model.path, **trainer_options)
+    client = {k: v for k, v in config.inference.options.items() if k != "launch"}
+    inspect.signature(SGLangEngine).bind(["url"], **client)
+    EngineLaunch.model_validate(config.inference.options["launch"])
 
 
 def test_tp4_ep8_layout_is_accepted_by_megatron_core() -> None:
@@ -49,20 +56,20 @@ def test_tp4_ep8_layout_is_accepted_by_megatron_core() -> None:
     from megatron.core.parallel_state import RankGenerator
 
     from patchgym.backends.trainer.megatron_convert import Layout
-    from patchgym.backends.trainer.megatron_moe import check_layout
 
     options = load_run_config(REFERENCE).trainer.options
-    tp, pp, ep, etp = (options[k] for k in ("tp", "pp", "ep", "etp"))
-    layout = Layout(transformers.Qwen3MoeConfig(**QWEN3_30B_A3B))
-    config = layout.transformer_config(tp=tp, pp=pp, ep=ep, etp=etp, dtype=getattr(torch, options["dtype"]))
+    layout = MegatronLayout.from_options(**{k: options[k] for k in ("tp", "pp", "dp", "ep", "etp")})
+    model = Layout(transformers.Qwen3MoeConfig(**QWEN3_30B_A3B))
+    config = model.transformer_config(
+        tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, dtype=getattr(torch, options["dtype"])
+    )
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (128, 8, 768)
     assert (config.tensor_model_parallel_size, config.expert_model_parallel_size) == (4, 8)
-    assert config.expert_tensor_parallel_size == 1 and config.bf16
-    world = 8  # one MI355X node
-    dp = check_layout(world, tp=tp, pp=pp, ep=ep, etp=etp)
-    assert dp == 2
+    assert config.expert_tensor_parallel_size == 1 and config.bf16 and config.sequence_parallel
+    assert (layout.world, layout.dp, layout.expert_dp) == (8, 2, 1)  # one MI355X node
+    assert MegatronLayout.for_world(8, tp=4, pp=1, ep=8, etp=1) == layout  # what the trainer derives from its world
     # megatron's own rank arithmetic for the dense and the expert layers (raises on a bad split)
-    RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-ep-dp-pp")
+    RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp")
+    RankGenerator(tp=layout.etp, ep=layout.ep, dp=layout.expert_dp, pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp")
     with pytest.raises(ConfigError, match="lower etp"):
-        check_layout(world, tp=tp, pp=pp, ep=ep, etp=tp)  # experts TP-split like the dense layers: 8 / 4 < 8
+        MegatronLayout.for_world(8, tp=4, pp=1, ep=8, etp=4)  # experts TP-split like the dense layers: 8 / 4 < 8

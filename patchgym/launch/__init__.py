@@ -1,5 +1,7 @@
 """Starting and stopping what a run needs: engine groups, trainer ranks, the weight hand-off.
 
+- `plan`: the launch plan (each process's role, place, argv, environment), decided before anything starts.
+- `show`: a launch plan on the console (`patchgym run --dry-run`).
 - `engines`: the `sglang` backend factory (attach by URLs, or start N servers behind the router).
 - `ranks`: the `megatron` backend factory (rank 0 here, the other ranks started and watched).
 - `processes`: the supervisor of child processes (own sessions, die with the driver, pid records).

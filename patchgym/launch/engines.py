@@ -9,6 +9,9 @@ this environment, bound to 127.0.0.1) in front of them: generation goes through 
 in the client), control calls (pause, abort, weight updates, group set-up, cache flush) go to
 each server directly. The servers, the router and their logs belong to the engine: `start()`
 waits until all are healthy, `aclose()` stops them.
+
+`plan_sglang` decides every process (argv, environment, GPUs, ports from a given source) and
+starts nothing; `sglang_backend` starts what it decided, and `patchgym run --dry-run` shows it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import importlib.util
 import inspect
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from patchgym.core.errors import ConfigError
 from patchgym.launch.context import log_dir
+from patchgym.launch.plan import ProcessPlan, Where
 from patchgym.launch.processes import Supervisor
 
 RouterPolicy = Literal["cache_aware", "round_robin", "random", "power_of_two", "none"]
@@ -46,20 +50,32 @@ class EngineLaunch(BaseModel):
     mem_fraction_static: float | None = Field(None, gt=0, le=1, description="GPU memory for weights and KV")
     dtype: str = "auto"
     extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server flags")
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables for the servers")
     health_timeout_s: float = Field(600.0, gt=0, description="how long the servers may take to become healthy")
     stop_grace_s: float = Field(10.0, ge=0, description="SIGTERM to SIGKILL when stopping")
 
 
 @dataclass(frozen=True)
-class GroupPlan:
-    """Ports and commands of one engine group, decided before anything starts."""
+class EngineRuntime:
+    """The python the servers run with and their device."""
 
-    engine_commands: list[list[str]]
-    engine_urls: list[str]
-    ranks_per_engine: list[int]
-    router_command: list[str] | None
+    python: Path
+    device: Literal["cuda", "cpu"]
+    stubs: Path | None = None
+    ready: bool = True
+    """False: the CPU SGLang venv is not built yet (`patchgym run` builds it before starting the servers)."""
+
+
+@dataclass(frozen=True)
+class SGLangPlan:
+    """What the sglang backend starts (engines, then the router) and where its client connects."""
+
+    engine_urls: tuple[str, ...]
     router_url: str | None
-    env: dict[str, str]
+    processes: tuple[ProcessPlan, ...]
+    launch: EngineLaunch | None = None
+    """The launch settings of a started group; None for attached servers."""
+    runtime: EngineRuntime | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,57 +84,93 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def router_command(urls: Sequence[str], port: int, policy: str, python: str = sys.executable) -> list[str]:
-    """`sglang_router.launch_router` on 127.0.0.1 over `urls` with `policy` (from this environment)."""
+def require_router() -> None:
+    """A clear error when the SGLang router (the `sglang` extra) is not installed here."""
     if importlib.util.find_spec("sglang_router") is None:
         raise ConfigError(
             "the SGLang router is not installed: pip install 'patchgym[sglang]' (sglang-router), "
             "or set router: none to balance requests in the client"
         )
+
+
+def router_command(
+    urls: Sequence[str], port: int, policy: str, *, metrics_port: int, python: str = sys.executable
+) -> list[str]:
+    """`sglang_router.launch_router` on 127.0.0.1 over `urls` with `policy` (from this environment)."""
     command = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--worker-urls", *urls, "--policy", policy, "--log-level", "warn"]
     # its metrics exporter listens too (by default on 0.0.0.0:29000, taken by a second router)
-    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     return [*command, "--worker-startup-check-interval", "1"]  # register an engine as soon as it is up
 
 
-def plan_group(model: Path, launch: EngineLaunch, *, max_context: int, router: RouterPolicy) -> GroupPlan:
-    """Commands for `launch.engines` servers (and the router unless `router` is none)."""
-    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, server_command, server_env
+def router_process(urls: Sequence[str], policy: str, ports: Callable[[], int]) -> ProcessPlan:
+    """The router in front of `urls`, on a port of 127.0.0.1 from `ports`."""
+    port = ports()
+    argv = router_command(urls, port, policy, metrics_port=ports())
+    return ProcessPlan("sglang-router", "router", Where(host="127.0.0.1"), tuple(argv), url=f"http://127.0.0.1:{port}")
 
-    python, stubs, device = Path(launch.python or sys.executable), None, "cuda"
-    if launch.cpu_venv:
-        from patchgym.backends.inference.sglang_venv import build_sglang_venv, stubs_path, venv_python
 
-        venv = build_sglang_venv(progress=lambda _: None)
-        python, stubs, device = venv_python(venv), stubs_path(venv), "cpu"
-    gpus = launch.gpus if launch.gpus is not None else list(range(launch.engines * launch.tp))
-    if device == "cuda" and len(gpus) < launch.engines * launch.tp:
-        raise ConfigError(f"{launch.engines} engines at tp={launch.tp} need {launch.engines * launch.tp} GPUs")
+def engine_runtime(launch: EngineLaunch, *, build: bool) -> EngineRuntime:
+    """The servers' python: `launch.python` (or this one) on GPUs, or the CPU SGLang venv, built
+    first when `build` (otherwise only its path: a plan that starts nothing builds nothing)."""
+    if not launch.cpu_venv:
+        return EngineRuntime(Path(launch.python or sys.executable), "cuda")
+    from patchgym.backends.inference.sglang_venv import (
+        build_sglang_venv,
+        default_venv_path,
+        is_ready,
+        stubs_path,
+        venv_python,
+    )
+
+    venv = build_sglang_venv(progress=lambda _: None) if build else default_venv_path()
+    return EngineRuntime(venv_python(venv), "cpu", stubs_path(venv), ready=is_ready(venv))
+
+
+def plan_group(
+    model: Path,
+    launch: EngineLaunch,
+    *,
+    max_context: int,
+    router: RouterPolicy,
+    runtime: EngineRuntime,
+    ports: Callable[[], int] = free_port,
+) -> SGLangPlan:
+    """`launch.engines` servers, each on a port from `ports` and its GPUs (and the router unless `router` is none)."""
+    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, server_command, server_env_changes
+
+    device, tp = runtime.device, launch.tp
+    gpus = launch.gpus if launch.gpus is not None else list(range(launch.engines * tp))
+    if device == "cuda" and len(gpus) < launch.engines * tp:
+        raise ConfigError(f"{launch.engines} engines at tp={tp} need {launch.engines * tp} GPUs")
     base = SGLangLaunchSettings(
         model_path=model.resolve(),
-        python=python,
+        python=runtime.python,
         device=device,
         context_length=launch.context_length or max_context,
         mem_fraction_static=launch.mem_fraction_static if device == "cuda" else None,
         max_total_tokens=launch.max_total_tokens or (16384 if device == "cpu" else None),
         dtype=launch.dtype,
-        stubs_dir=stubs,
-        extra_args=(*(["--tp-size", str(launch.tp)] if launch.tp > 1 else []), *launch.extra_args),
+        stubs_dir=runtime.stubs,
+        extra_args=(*(["--tp-size", str(tp)] if tp > 1 else []), *launch.extra_args),
     )
-    commands, urls = [], []
+    env = {**server_env_changes(base), **launch.env}
+    engines, urls = [], []
     for i in range(launch.engines):
-        settings = replace(base, base_port=free_port(), gpus=(gpus[i * launch.tp],))
-        commands.append(server_command(settings, 0))
-        urls.append(f"http://127.0.0.1:{settings.base_port}")
-    router_port = free_port() if router != "none" else None
-    return GroupPlan(
-        engine_commands=commands,
-        engine_urls=urls,
-        ranks_per_engine=[launch.tp] * launch.engines,
-        router_command=router_command(urls, router_port, router) if router_port else None,
-        router_url=f"http://127.0.0.1:{router_port}" if router_port else None,
-        env=server_env(base),
+        settings = replace(base, base_port=ports(), gpus=(gpus[i * tp],))
+        own = tuple(gpus[i * tp : (i + 1) * tp]) if device == "cuda" else ()
+        where = Where(host=settings.host, gpus=own, resources={"GPU": tp} if device == "cuda" else {})
+        urls.append(f"http://{settings.host}:{settings.base_port}")
+        argv = tuple(server_command(settings, 0))
+        engines.append(ProcessPlan(f"sglang-engine-{i}", "engine", where, argv, env, url=urls[-1]))
+    front = router_process(urls, router, ports) if router != "none" else None
+    return SGLangPlan(
+        engine_urls=tuple(urls),
+        router_url=front.url if front else None,
+        processes=(*engines, *([front] if front else [])),
+        launch=launch,
+        runtime=runtime,
     )
 
 
@@ -128,6 +180,45 @@ def _launch_settings(value: Any) -> EngineLaunch:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"invalid sglang launch settings: {problems}") from None
+
+
+def plan_sglang(
+    model: str | Path | None = None,
+    *,
+    build: bool,
+    ports: Callable[[], int],
+    urls: str | Sequence[str] | None = None,
+    launch: dict[str, Any] | None = None,
+    router: RouterPolicy | None = None,
+    **client: Any,
+) -> SGLangPlan:
+    """The `sglang` backend's processes for its options (see `sglang_backend`), starting nothing;
+    `build` builds the CPU SGLang venv if the plan needs it."""
+    from patchgym.backends.inference.sglang import SGLangEngine
+
+    if (urls is None) == (launch is None):
+        raise ConfigError(
+            "the sglang backend needs either urls: [...] (servers started elsewhere) "
+            "or launch: {engines: N, cpu_venv: true, ...} (patchgym starts them)"
+        )
+    if router is not None and router not in RouterPolicy.__args__:  # type: ignore[attr-defined]
+        raise ConfigError(f"router must be one of {', '.join(RouterPolicy.__args__)}, not {router!r}")  # type: ignore[attr-defined]
+    try:
+        inspect.signature(SGLangEngine).bind(["url"], **client)
+    except TypeError as exc:
+        raise ConfigError(f"invalid sglang client settings: {exc}") from None
+    if urls is not None:
+        workers = tuple([urls] if isinstance(urls, str) else urls)
+        front = router_process(workers, router, ports) if router not in (None, "none") else None
+        return SGLangPlan(workers, front.url if front else None, (front,) if front else ())
+    if model is None:
+        raise ConfigError("launching SGLang servers needs the model directory")
+    settings = _launch_settings(launch)
+    runtime = engine_runtime(settings, build=build)
+    return plan_group(
+        Path(model), settings, max_context=client["max_context"], router=router or "cache_aware", runtime=runtime,
+        ports=ports,
+    )  # fmt: skip
 
 
 def sglang_backend(
@@ -145,45 +236,25 @@ def sglang_backend(
     """
     from patchgym.backends.inference.sglang import SGLangEngine
 
-    if (urls is None) == (launch is None):
-        raise ConfigError(
-            "the sglang backend needs either urls: [...] (servers started elsewhere) "
-            "or launch: {engines: N, cpu_venv: true, ...} (patchgym starts them)"
-        )
-    if router is not None and router not in RouterPolicy.__args__:  # type: ignore[attr-defined]
-        raise ConfigError(f"router must be one of {', '.join(RouterPolicy.__args__)}, not {router!r}")  # type: ignore[attr-defined]
+    plan = plan_sglang(model, build=True, ports=free_port, urls=urls, launch=launch, router=router, **client)
+    if not plan.processes:  # attached servers, balanced in the client
+        return SGLangEngine(list(plan.engine_urls), **client)
+    if plan.router_url is not None:
+        require_router()
+    settings, started = plan.launch, {}
+    if settings is not None:
+        started = {
+            "ranks_per_engine": [settings.tp] * settings.engines,
+            "start_timeout_s": settings.health_timeout_s,
+            "launch": settings.model_dump(),
+        }
+    grace = {} if settings is None else {"stop_grace_s": settings.stop_grace_s}
+    supervisor = Supervisor(log_dir("sglang"), **grace)
     try:
-        inspect.signature(SGLangEngine).bind(["url"], **client)
-    except TypeError as exc:
-        raise ConfigError(f"invalid sglang client settings: {exc}") from None
-    if urls is not None:
-        workers = [urls] if isinstance(urls, str) else list(urls)
-        policy = router or "none"
-        supervisor = Supervisor(log_dir("sglang")) if policy != "none" else None
-        router_url = None
-        if supervisor is not None:
-            port = free_port()
-            supervisor.start("sglang-router", router_command(workers, port, policy))
-            router_url = f"http://127.0.0.1:{port}"
-        return SGLangEngine(workers, router_url=router_url, supervisor=supervisor, **client)
-    if model is None:
-        raise ConfigError("launching SGLang servers needs the model directory")
-    settings = _launch_settings(launch)
-    plan = plan_group(Path(model), settings, max_context=client["max_context"], router=router or "cache_aware")
-    supervisor = Supervisor(log_dir("sglang"), stop_grace_s=settings.stop_grace_s)
-    try:
-        for i, command in enumerate(plan.engine_commands):
-            supervisor.start(f"sglang-engine-{i}", command, plan.env)
-        if plan.router_command is not None:
-            supervisor.start("sglang-router", plan.router_command)
+        for process in plan.processes:
+            supervisor.start(process.name, list(process.argv), process.environ())
         return SGLangEngine(
-            plan.engine_urls,
-            router_url=plan.router_url,
-            supervisor=supervisor,
-            ranks_per_engine=plan.ranks_per_engine,
-            start_timeout_s=settings.health_timeout_s,
-            launch=settings.model_dump(),
-            **client,
+            list(plan.engine_urls), router_url=plan.router_url, supervisor=supervisor, **started, **client
         )
     except BaseException:
         supervisor.stop()

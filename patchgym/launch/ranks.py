@@ -11,6 +11,9 @@ running the same `follow_spec`.
 
 Under torchrun (WORLD_SIZE set) nothing is started: the ranks torchrun made meet through its
 environment, and `torchrun_follower()` tells a `patchgym run` on ranks other than 0 to follow.
+
+`plan_ranks` checks the layout (`MegatronLayout`) and decides the followers before anything
+starts, and `rank_process` renders a follower's process; `patchgym run --dry-run` shows the same.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.core.errors import ConfigError, TransportError
 from patchgym.launch.context import log_dir
 from patchgym.launch.engines import free_port
+from patchgym.launch.plan import ProcessPlan, Where
 from patchgym.launch.processes import Child, Supervisor
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -88,12 +94,9 @@ class LocalProcesses:
         self.supervisor = supervisor
 
     def start(self, specs: list[RankSpec]) -> None:
-        env = {**os.environ}
-        if specs and specs[0].rendezvous.address.startswith("127."):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         for spec in specs:
-            command = [sys.executable, "-m", "patchgym.launch.ranks", spec.to_json()]
-            self.supervisor.start(f"trainer-rank-{spec.rank}", command, env)
+            process = rank_process(spec)
+            self.supervisor.start(process.name, list(process.argv), process.environ())
 
     def dead(self) -> list[Child]:
         return self.supervisor.dead()
@@ -117,8 +120,7 @@ def init_distributed(rendezvous: Rendezvous | None, rank: int, timeout_s: float)
     if rendezvous is None:
         dist.init_process_group(backend, timeout=timeout)
         return
-    if rendezvous.address.startswith("127."):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would pick the host's outward interface
+    os.environ.update(loopback_env(rendezvous.address))
     dist.init_process_group(
         backend, init_method=rendezvous.init_method, rank=rank, world_size=rendezvous.world_size, timeout=timeout
     )
@@ -162,34 +164,80 @@ def torchrun_follower() -> bool:
     return (torchrun_rank() or 0) > 0
 
 
-def _check_layout(tp: int, pp: int, dp: int | None, world: int | None) -> int:
-    if min(tp, pp, dp or 1) < 1:
-        raise ConfigError(f"tp, pp and dp must be >= 1 (got tp={tp}, pp={pp}, dp={dp})")
-    if world is not None and dp is not None and tp * pp * dp != world:
-        raise ConfigError(f"tp * pp * dp = {tp * pp * dp} but torchrun started {world} ranks")
-    return tp * pp * (dp or 1)
+def torchrun_world() -> int | None:
+    """The world size a launcher such as torchrun set (WORLD_SIZE), None outside one."""
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def loopback_env(address: str, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What a rank meeting at `address` adds to `base`: gloo on loopback for a 127.* rendezvous
+    (it would pick the host's outward interface), unless `base` names an interface."""
+    if address.startswith("127.") and "GLOO_SOCKET_IFNAME" not in base:
+        return {"GLOO_SOCKET_IFNAME": "lo"}
+    return {}
+
+
+def rank_process(spec: RankSpec, base: Mapping[str, str] = os.environ) -> ProcessPlan:
+    """The process of follower rank `spec.rank` on this machine: `python -m patchgym.launch.ranks SPEC`
+    (gloo on loopback unless `base` already names an interface)."""
+    env = loopback_env(spec.rendezvous.address, base)
+    argv = (sys.executable, "-m", "patchgym.launch.ranks", spec.to_json())
+    where = Where(host=spec.rendezvous.address)
+    return ProcessPlan(f"trainer-rank-{spec.rank}", "trainer", where, argv, env, rank=spec.rank)
+
+
+@dataclass(frozen=True)
+class RanksPlan:
+    """The megatron backend's ranks: its layout, and the followers this process starts (none under
+    torchrun or for a single rank)."""
+
+    layout: MegatronLayout
+    trainer_options: dict[str, Any]
+    rendezvous: Rendezvous | None = None
+    followers: tuple[RankSpec, ...] = ()
+    torchrun: bool = False
+
+
+def plan_ranks(
+    model: str | Path,
+    *,
+    ports: Callable[[], int],
+    world: int | None,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    **options: Any,
+) -> RanksPlan:
+    """The ranks `megatron_backend` runs for these options, checked, starting nothing; `world` is the
+    world size of a launcher that started them (torchrun), and `ports` gives the rendezvous port."""
+    ep, etp = options.get("ep", 1), options.get("etp")
+    layout = MegatronLayout.from_options(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, world=world)
+    trainer_options = {"tp": tp, "pp": pp, **options}
+    if world is not None or layout.world == 1:
+        return RanksPlan(layout, trainer_options, torchrun=world is not None)
+    timeout_s = float(options.get("timeout_s", DEFAULT_TIMEOUT_S))
+    rendezvous = Rendezvous("127.0.0.1", ports(), layout.world)
+    followers = tuple(RankSpec(rendezvous, r, str(model), trainer_options, timeout_s) for r in range(1, layout.world))
+    return RanksPlan(layout, trainer_options, rendezvous, followers)
 
 
 def megatron_backend(model: str | Path, *, tp: int = 1, pp: int = 1, dp: int | None = None, **options: Any) -> Any:
     """The registered `megatron` factory: rank 0 of tp * pp * dp ranks, starting the others if needed.
 
-    `options` are `MegatronTrainer`'s (lr, micro_batch_tokens, timeout_s: the collective timeout
-    that bounds how long a hung rank can stall the others, ...).
+    `options` are `MegatronTrainer`'s (lr, micro_batch_tokens, ep, etp, timeout_s: the collective
+    timeout that bounds how long a hung rank can stall the others, ...).
     """
     from patchgym.backends.trainer.megatron import MegatronTrainer
 
-    timeout_s = float(options.get("timeout_s", DEFAULT_TIMEOUT_S))
-    world_env = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    world = _check_layout(tp, pp, dp, world_env)
-    if world_env is not None or world == 1:
-        return MegatronTrainer(model, tp=tp, pp=pp, **options)
-    rendezvous = Rendezvous("127.0.0.1", free_port(), world)
+    plan = plan_ranks(model, ports=free_port, world=torchrun_world(), tp=tp, pp=pp, dp=dp, **options)
+    if plan.rendezvous is None:
+        return MegatronTrainer(model, **plan.trainer_options)
     placement = LocalProcesses(Supervisor(log_dir("trainer")))
-    trainer_options = {"tp": tp, "pp": pp, **options}
+    timeout_s = plan.followers[0].timeout_s
     try:
-        placement.start([RankSpec(rendezvous, r, str(model), trainer_options, timeout_s) for r in range(1, world)])
-        join_watching(rendezvous, placement, timeout_s)
-        trainer = MegatronTrainer(model, **trainer_options)
+        placement.start(list(plan.followers))
+        join_watching(plan.rendezvous, placement, timeout_s)
+        trainer = MegatronTrainer(model, **plan.trainer_options)
     except BaseException:
         placement.stop()
         raise
@@ -210,7 +258,11 @@ def follow_torchrun(model: str | Path, options: dict[str, Any]) -> None:
     from patchgym.backends.trainer.megatron import MegatronTrainer
 
     options = dict(options)
-    _check_layout(options.get("tp", 1), options.get("pp", 1), options.pop("dp", None), int(os.environ["WORLD_SIZE"]))
+    dp = options.pop("dp", None)
+    MegatronLayout.from_options(
+        tp=options.get("tp", 1), pp=options.get("pp", 1), dp=dp, ep=options.get("ep", 1), etp=options.get("etp"),
+        world=int(os.environ["WORLD_SIZE"]),
+    )  # fmt: skip
     init_distributed(None, int(os.environ["RANK"]), float(options.get("timeout_s", DEFAULT_TIMEOUT_S)))
     MegatronTrainer(model, **options).follow()
 

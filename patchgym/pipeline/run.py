@@ -57,8 +57,14 @@ SUBMIT_MESSAGE = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"
 
 
 def check_config(config: RunConfig) -> None:
-    """Every registered name and its options, and every trace path, checked before anything is
-    written or built: a mistake is a `ConfigError` at once, not after the base evaluation."""
+    """Every registered name and its options, and every file the config names, checked before
+    anything is written or built: a mistake is a `ConfigError` at once, not after the base evaluation."""
+    check_parts(config)
+    check_files(config)
+
+
+def check_parts(config: RunConfig) -> None:
+    """Every registered name and the options it is given (no file is read)."""
     reg = registry()
     model = {"model": config.model.path or "<model-init>"}
     reg.check("task_set", config.tasks.train.name, config.tasks.train.options)
@@ -66,12 +72,21 @@ def check_config(config: RunConfig) -> None:
     reg.check("sandbox", config.sandbox.name, config.sandbox.options)
     reg.check("trainer", config.trainer.name, {**model, **config.trainer.options})
     reg.check("inference", config.inference.name, {**model, **config.inference.options})
+
+
+def check_files(config: RunConfig) -> None:
+    """The model folder and the SFT trace files exist."""
     if config.model.path is not None and not Path(config.model.path).is_dir():
         raise ConfigError(f"model.path {config.model.path!r} is not a folder (a Hugging Face model)")
     if config.sft.enabled:
         for source in config.sft.traces:
             if source.path is not None:
                 trace_files(source.path)
+
+
+def model_dir(config: RunConfig) -> Path:
+    """The policy's folder: `model.path`, or `RUN_DIR/model-init` where a tiny model is created."""
+    return Path(config.model.path) if config.model.path else Path(config.run_dir) / "model-init"
 
 
 class OraclePolicy:
@@ -155,7 +170,7 @@ class Pipeline:
 
     # -- set-up ----------------------------------------------------------------------------
     def _model_dir(self) -> Path:
-        return Path(self.config.model.path) if self.config.model.path else self.run_dir / "model-init"
+        return model_dir(self.config)
 
     def _model_path(self) -> Path:
         cfg = self.config.model

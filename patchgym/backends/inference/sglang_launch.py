@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,13 +114,19 @@ def server_command(settings: SGLangLaunchSettings, index: int) -> list[str]:
     return cmd + list(s.extra_args)
 
 
-def server_env(settings: SGLangLaunchSettings) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def server_env_changes(settings: SGLangLaunchSettings, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables a server gets on top of `base`: offline hub, and on CPU the CPU engine and the stubs
+    (put before `base`'s PYTHONPATH)."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if settings.device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         if settings.stubs_dir is not None:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(settings.stubs_dir), env.get("PYTHONPATH")) if p)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(settings.stubs_dir), base.get("PYTHONPATH")) if p)
     return env
+
+
+def server_env(settings: SGLangLaunchSettings) -> dict[str, str]:
+    return {**os.environ, **server_env_changes(settings)}
 
 
 def launch_sglang(settings: SGLangLaunchSettings, log_dir: Path) -> list[SGLangServer]:

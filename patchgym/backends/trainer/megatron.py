@@ -48,6 +48,7 @@ import torch.distributed as dist
 from patchgym.backends.trainer import mcore_cpu, megatron_moe
 from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state, step_metrics
 from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
+from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.core.batch import MicroBatch, TrainBatch
 from patchgym.core.errors import ConfigError
 from patchgym.core.losses import (
@@ -139,7 +140,7 @@ class MegatronTrainer:
         _init_distributed(timeout_s)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.dp = megatron_moe.check_layout(self.world, tp=tp, pp=pp, ep=ep, etp=self.etp)
+        self.dp = MegatronLayout.for_world(self.world, tp=tp, pp=pp, ep=ep, etp=self.etp).dp
         torch.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
         self._closed = threading.Event()

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from patchgym.backends.trainer.parallel import ModelShape, check_experts, check_split
 from patchgym.core.errors import ConfigError
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -44,12 +45,11 @@ class Layout:
         if hf.model_type not in SUPPORTED:
             raise ConfigError(f"model type {hf.model_type!r} is not supported; use one of {', '.join(SUPPORTED)}")
         self.hf = hf
-        self.heads = hf.num_attention_heads
-        self.groups = hf.num_key_value_heads or hf.num_attention_heads
+        self.shape = ModelShape.from_hf(hf.to_dict())
+        self.heads, self.groups, self.experts = self.shape.heads, self.shape.kv_heads, self.shape.experts
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.heads
         self.qkv_bias = hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
         self.qk_norm = hf.model_type in ("qwen3", "qwen3_moe")
-        self.experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
         if self.experts and (list(getattr(hf, "mlp_only_layers", []) or []) or hf.decoder_sparse_step != 1):
             raise ConfigError(
                 "Qwen3-MoE with dense layers (mlp_only_layers or decoder_sparse_step != 1) is not supported by the "
@@ -61,15 +61,9 @@ class Layout:
 
     def moe_settings(self, ep: int, etp: int = 1) -> dict[str, Any]:
         """TransformerConfig fields for the experts (none for a dense model)."""
+        check_experts(self.shape, ep=ep, etp=etp)
         if not self.experts:
-            if ep != 1:
-                raise ConfigError(f"expert parallelism ep={ep} needs a mixture-of-experts model; use ep=1")
             return {}
-        if self.experts % ep:
-            raise ConfigError(f"num_experts={self.experts} is not divisible by expert parallel size {ep}")
-        if self.hf.moe_intermediate_size % etp:
-            size = self.hf.moe_intermediate_size
-            raise ConfigError(f"moe_intermediate_size={size} is not divisible by expert tensor parallel size {etp}")
         return {
             "num_moe_experts": self.experts,
             "moe_ffn_hidden_size": self.hf.moe_intermediate_size,
@@ -90,15 +84,8 @@ class Layout:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         hf = self.hf
+        check_split(self.shape, tp=tp, pp=pp, ep=ep, etp=etp)
         moe = self.moe_settings(ep, etp or tp)
-        for name, value in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups)):
-            if value % tp:
-                raise ConfigError(f"{name}={value} is not divisible by tensor parallel size {tp}")
-        if hf.num_hidden_layers % pp:
-            layers = hf.num_hidden_layers
-            raise ConfigError(f"num_hidden_layers={layers} is not divisible by pipeline parallel size {pp}")
-        if hf.vocab_size % tp:
-            raise ConfigError(f"vocab_size={hf.vocab_size} is not divisible by tensor parallel size {tp}")
         return TransformerConfig(
             num_layers=hf.num_hidden_layers,
             hidden_size=hf.hidden_size,

@@ -26,25 +26,6 @@ from patchgym.core.errors import ConfigError
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def check_layout(world: int, *, tp: int, pp: int, ep: int, etp: int) -> int:
-    """The data-parallel size of `world` ranks split as tp x pp (dense layers) and etp x ep x pp (experts).
-
-    Megatron lays the expert layers out separately: `world / (pp * etp)` ranks must form whole
-    expert-parallel groups of `ep`. E.g. 8 ranks as TP4/EP8 need etp=1.
-    """
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
-        if value < 1:
-            raise ConfigError(f"{name}={value}: parallel sizes must be at least 1")
-    if world % (tp * pp):
-        raise ConfigError(f"world size {world} is not divisible by tp * pp = {tp} * {pp}")
-    if world % (pp * etp) or (world // (pp * etp)) % ep:
-        raise ConfigError(
-            f"world size {world} does not split into expert layers of pp={pp} x etp={etp} x ep={ep}: "
-            "world / (pp * etp) must be a multiple of ep (lower etp, e.g. etp=1, or ep)"
-        )
-    return world // (tp * pp)
-
-
 def is_expert(name: str) -> bool:
     return _LOCAL_EXPERT.search(name) is not None
 
