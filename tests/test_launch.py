@@ -130,6 +130,30 @@ def test_router_command_binds_loopback_with_the_policy() -> None:
     assert command[command.index("--prometheus-port") + 1] == "7001"
 
 
+def test_cache_aware_router_balances_by_default_and_takes_more_flags(tmp_path: Path) -> None:
+    """The router's own balance (64 requests apart) left one engine of two idle at a rollout
+    concurrency of 32: cache_aware gets patchgym's thresholds; router_options override and add flags."""
+    launch = EngineLaunch(engines=2, python="/opt/sgl/bin/python")
+    runtime = engine_runtime(launch, build=False)
+
+    def router_argv(policy: str, options: dict | None = None) -> list[str]:
+        plan = plan_group(
+            tmp_path, launch, max_context=64, router=policy, runtime=runtime, router_options=options
+        )  # fmt: skip
+        (router,) = [p for p in plan.processes if p.role == "router"]
+        return list(router.argv)
+
+    def flag(argv: list[str], name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv else None
+
+    default = router_argv("cache_aware")
+    assert flag(default, "--balance-abs-threshold") == "2" and flag(default, "--balance-rel-threshold") == "1.2"
+    custom = router_argv("cache_aware", {"balance_abs_threshold": 16, "cache_threshold": 0.5})
+    assert flag(custom, "--balance-abs-threshold") == "16" and flag(custom, "--cache-threshold") == "0.5"
+    assert flag(custom, "--balance-rel-threshold") == "1.2"
+    assert flag(router_argv("round_robin"), "--balance-abs-threshold") is None
+
+
 def test_engine_group_plan_gives_each_server_its_port_gpus_and_ranks(tmp_path: Path) -> None:
     launch = EngineLaunch(engines=2, tp=2, python="/opt/sgl/bin/python", extra_args=["--foo"], env={"X": "1"})
     runtime = engine_runtime(launch, build=False)

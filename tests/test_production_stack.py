@@ -54,7 +54,13 @@ def stack_config(tmp_path: Path, steps: int, trainer: dict[str, Any] | None = No
             "eval": {"options": {"count": 2, "cache_dir": cache}},
         },
         "sandbox": {"options": {"isolation": "none"}},
-        "inference": {"options": {"concurrency": 4, "launch": {"max_total_tokens": 8192}}},
+        # every decode step logged: tests read from the logs which engines generated
+        "inference": {
+            "options": {
+                "concurrency": 4,
+                "launch": {"max_total_tokens": 8192, "extra_args": ["--decode-log-interval", "1"]},
+            }
+        },
         "trainer": {"options": {"micro_batch_tokens": 2048, "warmup_steps": 0, "timeout_s": 300, **(trainer or {})}},
         "env": {"max_turns": 2},
         "agent": {"max_new_tokens_per_turn": 16, "max_tokens_per_trajectory": 512},
@@ -96,6 +102,9 @@ def test_megatron_sglang_config_runs_sft_grpo_and_eval(tmp_path: Path) -> None:
     engines = launch["inference"]
     assert len(engines["urls"]) == 2 and engines["router_url"].startswith("http://127.0.0.1:")
     assert engines["ranks_per_engine"] == [1, 1] and engines["launch"]["cpu_venv"]
+    assert engines["router"]["policy"] == "cache_aware"
+    for engine in ("sglang-engine-0", "sglang-engine-1"):  # the router spread the rollouts over both
+        assert "Decode batch" in (run_dir / "logs" / "sglang" / f"{engine}.log").read_text(), engine
     assert launch["trainer"]["tp"] == 2 and launch["trainer"]["ranks_started_by"] == "patchgym"
     assert launch["weight_sync"]["mode"] == "distributed" and launch["weight_sync"]["verify"]
     syncs = check_syncs(run_dir)

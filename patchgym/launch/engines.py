@@ -6,9 +6,9 @@ itself (one free port each on 127.0.0.1; the CPU SGLang venv of `sglang_venv` wi
 GPUs `gpus[i*tp : (i+1)*tp]` otherwise) and puts the SGLang router (`sglang-router`, run from
 this environment, bound to 127.0.0.1) in front of them: generation goes through the router
 (`router: cache_aware` by default; `random`, `round_robin`, `power_of_two`; `none` balances
-in the client), control calls (pause, abort, weight updates, group set-up, cache flush) go to
-each server directly. The servers, the router and their logs belong to the engine: `start()`
-waits until all are healthy, `aclose()` stops them.
+in the client; `router_options` are more router flags), control calls (pause, abort, weight
+updates, group set-up, cache flush) go to each server directly. The servers, the router and
+their logs belong to the engine: `start()` waits until all are healthy, `aclose()` stops them.
 
 `plan_sglang` decides every process (argv, environment, GPUs, ports from a given source) and
 starts nothing; `sglang_backend` starts what it decided, and `patchgym run --dry-run` shows it.
@@ -20,7 +20,7 @@ import importlib.util
 import inspect
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,13 @@ from patchgym.launch.plan import ProcessPlan, Where
 from patchgym.launch.processes import Supervisor
 
 RouterPolicy = Literal["cache_aware", "round_robin", "random", "power_of_two", "none"]
+CACHE_AWARE_BALANCE = {"balance_abs_threshold": 2, "balance_rel_threshold": 1.2}
+"""patchgym's balance for `cache_aware` (the router's own defaults: 64 and 1.5). Rollout prompts
+share their system prompt, so the prefix tree sends every new episode to the engine that holds
+it, and the router's defaults rebalance only once one engine has 64 more requests in flight:
+at a rollout concurrency of 32, one engine of two served everything. With these, a request goes
+to the least-loaded engine as soon as the loads differ by more than 2 and 20%; while the
+engines are balanced, the later turns of an episode follow their cached prefix."""
 
 
 class EngineLaunch(BaseModel):
@@ -93,21 +100,37 @@ def require_router() -> None:
         )
 
 
+def router_flags(policy: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The router flags a run uses: patchgym's balance for cache_aware, overridden by `options`."""
+    return {**(CACHE_AWARE_BALANCE if policy == "cache_aware" else {}), **(options or {})}
+
+
 def router_command(
-    urls: Sequence[str], port: int, policy: str, *, metrics_port: int, python: str = sys.executable
+    urls: Sequence[str],
+    port: int,
+    policy: str,
+    *,
+    metrics_port: int,
+    options: Mapping[str, Any] | None = None,
+    python: str = sys.executable,
 ) -> list[str]:
-    """`sglang_router.launch_router` on 127.0.0.1 over `urls` with `policy` (from this environment)."""
+    """`sglang_router.launch_router` on 127.0.0.1 over `urls` with `policy` (from this environment);
+    `options` are more of its flags by name (`balance_abs_threshold: 2` → `--balance-abs-threshold 2`)."""
     command = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--worker-urls", *urls, "--policy", policy, "--log-level", "warn"]
+    for name, value in (options or {}).items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
     # its metrics exporter listens too (by default on 0.0.0.0:29000, taken by a second router)
     command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
     return [*command, "--worker-startup-check-interval", "1"]  # register an engine as soon as it is up
 
 
-def router_process(urls: Sequence[str], policy: str, ports: Callable[[], int]) -> ProcessPlan:
-    """The router in front of `urls`, on a port of 127.0.0.1 from `ports`."""
+def router_process(
+    urls: Sequence[str], policy: str, ports: Callable[[], int], options: Mapping[str, Any] | None = None
+) -> ProcessPlan:
+    """The router in front of `urls`, on a port of 127.0.0.1 from `ports`, with `router_flags(policy, options)`."""
     port = ports()
-    argv = router_command(urls, port, policy, metrics_port=ports())
+    argv = router_command(urls, port, policy, metrics_port=ports(), options=router_flags(policy, options))
     return ProcessPlan("sglang-router", "router", Where(host="127.0.0.1"), tuple(argv), url=f"http://127.0.0.1:{port}")
 
 
@@ -136,6 +159,7 @@ def plan_group(
     router: RouterPolicy,
     runtime: EngineRuntime,
     ports: Callable[[], int] = free_port,
+    router_options: Mapping[str, Any] | None = None,
 ) -> SGLangPlan:
     """`launch.engines` servers, each on a port from `ports` and its GPUs (and the router unless `router` is none)."""
     from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, server_command, server_env_changes
@@ -164,7 +188,7 @@ def plan_group(
         urls.append(f"http://{settings.host}:{settings.base_port}")
         argv = tuple(server_command(settings, 0))
         engines.append(ProcessPlan(f"sglang-engine-{i}", "engine", where, argv, env, url=urls[-1]))
-    front = router_process(urls, router, ports) if router != "none" else None
+    front = router_process(urls, router, ports, router_options) if router != "none" else None
     return SGLangPlan(
         engine_urls=tuple(urls),
         router_url=front.url if front else None,
@@ -190,6 +214,7 @@ def plan_sglang(
     urls: str | Sequence[str] | None = None,
     launch: dict[str, Any] | None = None,
     router: RouterPolicy | None = None,
+    router_options: Mapping[str, Any] | None = None,
     **client: Any,
 ) -> SGLangPlan:
     """The `sglang` backend's processes for its options (see `sglang_backend`), starting nothing;
@@ -209,7 +234,7 @@ def plan_sglang(
         raise ConfigError(f"invalid sglang client settings: {exc}") from None
     if urls is not None:
         workers = tuple([urls] if isinstance(urls, str) else urls)
-        front = router_process(workers, router, ports) if router not in (None, "none") else None
+        front = router_process(workers, router, ports, router_options) if router not in (None, "none") else None
         return SGLangPlan(workers, front.url if front else None, (front,) if front else ())
     if model is None:
         raise ConfigError("launching SGLang servers needs the model directory")
@@ -217,7 +242,7 @@ def plan_sglang(
     runtime = engine_runtime(settings, build=build)
     return plan_group(
         Path(model), settings, max_context=client["max_context"], router=router or "cache_aware", runtime=runtime,
-        ports=ports,
+        ports=ports, router_options=router_options,
     )  # fmt: skip
 
 
@@ -227,21 +252,28 @@ def sglang_backend(
     urls: str | Sequence[str] | None = None,
     launch: dict[str, Any] | None = None,
     router: RouterPolicy | None = None,
+    router_options: Mapping[str, Any] | None = None,
     **client: Any,
 ) -> Any:
     """The registered `sglang` factory: attach to `urls`, or start the group `launch` describes.
 
     `router` defaults to cache_aware for a started group and to none (client-side balancing)
-    for attached URLs; `client` holds `SGLangEngine`'s settings (max_context, concurrency, ...).
+    for attached URLs; `router_options` are more `sglang_router.launch_router` flags by name
+    (for cache_aware, `CACHE_AWARE_BALANCE` unless given); `client` holds `SGLangEngine`'s
+    settings (max_context, concurrency, ...).
     """
     from patchgym.backends.inference.sglang import SGLangEngine
 
-    plan = plan_sglang(model, build=True, ports=free_port, urls=urls, launch=launch, router=router, **client)
+    plan = plan_sglang(
+        model, build=True, ports=free_port, urls=urls, launch=launch, router=router, router_options=router_options,
+        **client,
+    )  # fmt: skip
     if not plan.processes:  # attached servers, balanced in the client
         return SGLangEngine(list(plan.engine_urls), **client)
     if plan.router_url is not None:
         require_router()
-    settings, started = plan.launch, {}
+    policy = router or ("cache_aware" if launch is not None else "none")
+    settings, started = plan.launch, {"router": {"policy": policy, **router_flags(policy, router_options)}}
     if settings is not None:
         started = {
             "ranks_per_engine": [settings.tp] * settings.engines,

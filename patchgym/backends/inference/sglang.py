@@ -121,11 +121,13 @@ class SGLangEngine:
         supervisor: Any = None,
         start_timeout_s: float = 600.0,
         launch: Mapping[str, Any] | None = None,
+        router: Mapping[str, Any] | None = None,
     ) -> None:
         """`concurrency` sizes the generate connection pool (set it to the rollout concurrency);
         `weight_bucket_bytes` caps the tensors one `/update_weights_from_distributed` call
         receives (the engine's receive buffers); `ignore_eos` generates to max_new_tokens or
         the context cap (benchmarks, tests). `router_url`: generate through this SGLang router;
+        `router`: its policy and flags, reported in `settings()`;
         `ranks_per_engine`: each server's tp * pp (asked from the servers when not given);
         `supervisor`: the `patchgym.launch.processes.Supervisor` of servers this engine started.
         Servers need `--context-length` at least `max_context + 6` (sglang_launch does this)."""
@@ -146,6 +148,7 @@ class SGLangEngine:
         self.supervisor = supervisor
         self.start_timeout_s = start_timeout_s
         self.launch = dict(launch) if launch is not None else None
+        self.router = dict(router) if router is not None else None
         self.max_context = max_context
         self.concurrency = concurrency
         self.control_connections = control_connections
@@ -177,6 +180,7 @@ class SGLangEngine:
         return {
             "urls": list(self.urls),
             "router_url": self.router_url,
+            "router": self.router,
             "ranks_per_engine": self.ranks_per_engine,
             "launch": self.launch,
             "max_context": self.max_context,
