@@ -43,6 +43,7 @@ class SandboxFaults:
     def __init__(self, lose: Iterable[int] = (), after_execs: int = 1) -> None:
         self.lose, self.after_execs = set(lose), after_execs
         self.requested = 0
+        self.open = self.peak_open = 0  # train-task agent sandboxes open at once
         self.lost: list[int] = []
         self.hung: list[str] = []
 
@@ -57,6 +58,8 @@ class SandboxFaults:
         if "-train-" not in spec.labels.get("task_id", "") or spec.labels.get("role") == "grading":
             return None
         self.requested += 1
+        self.open += 1
+        self.peak_open = max(self.peak_open, self.open)
         return self.requested - 1
 
 
@@ -67,6 +70,7 @@ class FaultySandbox(Sandbox):
         self.inner, self.faults, self.index = inner, faults, index
         self.workdir = inner.workdir
         self.execs = 0
+        self.closed = False
 
     async def exec(
         self,
@@ -100,6 +104,9 @@ class FaultySandbox(Sandbox):
         await self.inner.download_dir(path, local_dir)
 
     async def close(self) -> None:
+        if self.index is not None and not self.closed:
+            self.faults.open -= 1
+        self.closed = True
         await self.inner.close()
 
 

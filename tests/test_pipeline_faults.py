@@ -121,6 +121,29 @@ async def test_sandbox_lost_mid_episode_is_retried_then_excluded(tmp_path: Path,
     check_end(config, parts)
 
 
+@pytest.mark.parametrize("replay_concurrency", [2, 6])
+async def test_oracle_replays_run_at_most_replay_concurrency_at_once(
+    tmp_path: Path, tiny_model_dir: Path, replay_concurrency: int
+) -> None:
+    """SFT's oracle replays (each an episode with its sandbox) were all started at once: 2,048 train
+    tasks meant 2,048 sandboxes. At most `sft.replay_concurrency` run now (6 = no limit: a control)."""
+    parts = Parts(tmp_path, SandboxFaults())
+    changes = {
+        "tasks": {"train": {"options": {"count": 6}}},
+        "sft": {"enabled": True, "replay_concurrency": replay_concurrency},
+        "grpo": {"enabled": False},
+    }
+    config = fault_config(tmp_path, tiny_model_dir, steps=0, changes=changes)
+    await run(config)
+    (traces,) = read_events(config.run_dir, "sft_traces")
+    assert traces["kept"] == 6 and traces["replay_concurrency"] == replay_concurrency
+    assert parts.faults.requested == 6 and parts.faults.open == 0
+    if replay_concurrency < 6:
+        assert parts.faults.peak_open <= replay_concurrency
+    else:
+        assert parts.faults.peak_open > 2  # without the limit, more than 2 ran at once here
+
+
 async def test_a_discarded_group_is_logged_not_lost(tmp_path: Path, tiny_model_dir: Path) -> None:
     # Step 1's first group loses sandbox 0 with no retry, so it has too few valid members and is set aside.
     parts = Parts(tmp_path, SandboxFaults(lose={0}))

@@ -66,6 +66,7 @@ class SFTConfig(_Strict):
         default_factory=lambda: [TraceSource(format="oracle")],
         description='"oracle", a source {path, format} or a list of them',
     )
+    replay_concurrency: int = Field(32, ge=1, description="oracle replays (episodes and their sandboxes) run at once")
     too_long: TooLong = Field(
         "skip",
         description="traces over the token cap (the agent's trajectory cap, the engine's context, the trainer's "

@@ -333,9 +333,11 @@ class Pipeline:
 
         policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end) for task in tasks}
         self._warn_unsayable(policies)
+        gate = asyncio.Semaphore(self.config.sft.replay_concurrency)
 
         async def trace(task: Task) -> Trajectory:
-            trajectory = await self._episode(task, policies[task.id], self.config.agent)
+            async with gate:
+                trajectory = await self._episode(task, policies[task.id], self.config.agent)
             progress.advance(bar)
             return trajectory
 
@@ -386,7 +388,8 @@ class Pipeline:
                 self.console.print(f"sft traces from {source.path or 'the oracle'}: {tally.summary()}")
         total = TraceTally.total([tally for _, tally in tallies])
         sources = [{"source": s.path or "oracle", "format": s.format, **t.as_dict()} for s, t in tallies]
-        self.log.emit("sft_traces", token_cap=cap, too_long=cfg.too_long, sources=sources, **total.as_dict())
+        limits = {"token_cap": cap, "too_long": cfg.too_long, "replay_concurrency": cfg.replay_concurrency}
+        self.log.emit("sft_traces", **limits, sources=sources, **total.as_dict())
         if not samples and any(source.format != "oracle" for source in cfg.traces):
             raise ConfigError(f"no SFT trace is left to train on ({total.summary()}); see the sft_traces event")
         if cfg.lr is not None:
