@@ -5,8 +5,9 @@ descriptor, goes to `RUN_DIR/library.log`: Python warnings (UserWarning, FutureW
 library loggers (transformers, megatron, torch.distributed), C++ messages, and the stderr of
 every child process started meanwhile (trainer ranks inherit it). Python warnings and log
 records are written with a time and the rank. The console keeps what patchgym prints
-(stdout) and warnings of patchgym's own loggers; when the block ends, stderr is restored, so
-an error that ends the run is shown on the console as usual.
+(stdout), warnings of patchgym's own loggers and what is written to `console_stderr()` (the
+progress lines); when the block ends, stderr is restored, so an error that ends the run is
+shown on the console as usual.
 """
 
 from __future__ import annotations
@@ -17,9 +18,17 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 LIBRARY_LOG = "library.log"
 FORMAT = "%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s"
+_console_stderr: list[TextIO] = []
+"""The console's stderr while `library_output_to` sends the process's stderr to the log."""
+
+
+def console_stderr() -> TextIO:
+    """Where patchgym's own stderr output goes: the console, also while library output is redirected."""
+    return _console_stderr[-1] if _console_stderr else sys.stderr
 
 
 @contextlib.contextmanager
@@ -43,9 +52,11 @@ def library_output_to(run_dir: Path) -> Iterator[Path]:
     root.setLevel(logging.INFO)
     ours.addHandler(to_console)
     logging.captureWarnings(True)
+    _console_stderr.append(console)
     try:
         yield path
     finally:
+        _console_stderr.remove(console)
         logging.captureWarnings(False)
         ours.removeHandler(to_console)
         root.handlers[:], root.level = saved_root

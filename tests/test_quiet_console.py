@@ -37,6 +37,19 @@ def test_warnings_logging_and_child_stderr_reach_the_log_not_the_console(
     assert console.err.endswith("after\n")  # stderr is the console again after the block
 
 
+def test_progress_lines_reach_the_console_not_the_log(tmp_path: Path) -> None:
+    """Run without a terminal, the progress lines went to library.log with the rest of stderr."""
+    code = (
+        "import sys; from pathlib import Path; from patchgym.logs import library_output_to\n"
+        "from patchgym.pipeline.progress import LineProgress\n"
+        "with library_output_to(Path(sys.argv[1])), LineProgress(3600) as progress:\n"
+        "    progress.add_task('grpo', total=4, unit='step')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "grpo: step 0/4" in done.stderr and "grpo" not in (tmp_path / LIBRARY_LOG).read_text()
+
+
 def test_a_megatron_run_prints_no_library_warnings(tmp_path: Path) -> None:
     """`patchgym run` with the Megatron trainer: progress and results on the console, library noise in the log."""
     pytest.importorskip("megatron.core")
@@ -50,6 +63,7 @@ def test_a_megatron_run_prints_no_library_warnings(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     console = done.stdout + done.stderr
+    assert "grpo: step 1/1" in done.stderr  # the progress lines of a run without a terminal
     assert "grpo" in done.stdout and "Warning" not in console and "warnings.warn" not in console, console
     library = (Path(config["run_dir"]) / LIBRARY_LOG).read_text()
     assert "UserWarning" in library and "megatron" in library

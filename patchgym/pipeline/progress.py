@@ -2,20 +2,21 @@
 
 Without a terminal (nohup, Slurm, CI) a live bar writes nothing useful, so `stage_progress`
 returns a `LineProgress` instead: every `interval_s` (and once when a bar ends) it writes one line
-per bar to stderr, e.g.
+per bar to the console's stderr (`patchgym.logs.console_stderr`: not the library log), e.g.
 `2026-12-01 05:02:11 grpo: step 12/120, 1.4 step/min, ETA 77m, last reward 0.531`.
 Bars take the same calls either way (`add_task`, `advance`, `update(..., reward=r)`).
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, Task, TextColumn, TimeElapsedColumn
+
+from patchgym.logs import console_stderr
 
 
 def stage_progress(console: Console, interval_s: float) -> Progress:
@@ -80,7 +81,7 @@ class LineProgress(Progress):
             self.write_lines()
 
     def write_lines(self) -> None:
-        stream = self._stream or sys.stderr
+        stream = self._stream or console_stderr()
         now = time.time()
         with self._lock:
             lines = [progress_line(task, now) for task in self._tasks.values()]
