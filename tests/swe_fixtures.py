@@ -73,18 +73,17 @@ def make_repo(root: Path, files: dict[str, str]) -> str:
     return git(root, "rev-parse", "HEAD")
 
 
-def swebench_fixture(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
-    """(repos_dir, instance row): the buggy checkout at base_commit and its SWE-bench row.
+def swebench_fixture(tmp_path: Path, extra_files: dict[str, str] | None = None) -> tuple[Path, dict[str, Any]]:
+    """(repos_dir, instance row): the buggy checkout at base_commit (with `extra_files`
+    committed too) and its SWE-bench row.
 
     The row names a real SWE-bench repository/version whose specs run plain `pytest -rA`
     (marshmallow 3.0), so the swebench package supplies the test command and log parser.
     """
     instance_id = "fixture__calc-1"
     repos = tmp_path / "repos"
-    base = make_repo(
-        repos / instance_id,
-        {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": TEST_MUL},
-    )
+    files = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": TEST_MUL}
+    base = make_repo(repos / instance_id, {**files, **(extra_files or {})})
     row = {
         "instance_id": instance_id,
         "repo": "marshmallow-code/marshmallow",

@@ -36,8 +36,10 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
     return str(path)
 
 
-def swebench_set(tmp_path: Path, kind: str, **options: Any) -> SWEBenchTaskSet:
-    repos, row = swebench_fixture(tmp_path)
+def swebench_set(
+    tmp_path: Path, kind: str, extra_files: dict[str, str] | None = None, **options: Any
+) -> SWEBenchTaskSet:
+    repos, row = swebench_fixture(tmp_path, extra_files)
     data = write_rows(tmp_path / "instances.jsonl", [row])
     if kind == "docker":
         require_docker()
@@ -299,6 +301,29 @@ async def test_swebench_reward_hacking_is_defeated(tmp_path: Path, sandbox_kind:
     # deleting the tests does not help; an honest fix with scribbled tests still scores
     assert (await grade_after(backend, task, "rm -rf tests"))["reward"] == 0.0
     assert (await grade_after(backend, task, gutted, gold=True))["reward"] == 1.0
+
+
+IGNORE_RULES = {".gitignore": "*.egg-info/\n__pycache__/\n", "tests/.gitignore": "*.so\n/generated/\n"}
+BUILT_FILES = ("tests/calc.egg-info/PKG-INFO", "tests/_speedups.so", "tests/generated/cases.txt")
+"""Build output under test paths that the base commit's own .gitignore files ignore."""
+
+
+async def test_the_restore_keeps_what_the_base_commit_ignores(
+    tmp_path: Path, sandbox_kind: tuple[str, SandboxBackend]
+) -> None:
+    """Issue 15 (7b): ignored build files under test paths are no added test files to delete;
+    bytecode goes whatever the rules say, and an unignored added file goes as before."""
+    kind, backend = sandbox_kind
+    (task,) = swebench_set(tmp_path, kind, IGNORE_RULES)
+    doomed = ("tests/__pycache__/test_calc.cpython-39.pyc", "tests/planted.py")
+    make = " && ".join(f"mkdir -p $(dirname {path}) && echo built > {path}" for path in (*BUILT_FILES, *doomed))
+    async with await start_task_sandbox(backend, task) as sandbox:
+        assert (await sandbox.exec(make, timeout_s=60)).ok
+        assert (await apply_patch(sandbox, task.gold_patch or "")).ok
+        grade = await task.grader.grade(sandbox)
+        left = await sandbox.exec(f"ls {' '.join(BUILT_FILES + doomed)}", timeout_s=60)
+    assert grade.reward == 1.0, grade.details
+    assert sorted(left.stdout.split()) == sorted(BUILT_FILES), left.output
 
 
 async def test_swesmith_validate_hides_and_restores_tests(

@@ -154,17 +154,38 @@ def _status(value: str) -> TestStatus:
         return TestStatus.FAILED
 
 
+BYTECODE_PATTERN = r"(^|/)__pycache__/|\.py[co]$"
+"""Python bytecode: removed from test paths even where the base commit ignores it (an unchecked
+hash-based `.pyc` is imported without a look at the restored source beside it)."""
+
+
 def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PATTERN) -> str:
     """Bash that resets every test path (matching `pattern`) and `files` to their blobs at commit
-    `ref`: files at `ref` are written from the blob, files absent there are deleted."""
+    `ref`: files at `ref` are written from the blob, files absent there are deleted.
+
+    Untracked files that the `.gitignore` files of `ref` ignore (build output such as
+    `*.egg-info` or a compiled extension) are left alone, except Python bytecode. The rules are
+    read from the commit's blobs into a scratch repository, never from the working tree: an
+    ignore line the agent adds cannot hide a file it planted.
+    """
     listed = "".join(f"{path}\n" for path in files)
     git = RESTORE_GIT
     return (
-        f"set -u; ref={shlex.quote(ref)}\n"
+        f"set -u; ref={shlex.quote(ref)}; export LC_ALL=C\n"
         f'{git} rev-parse -q --verify "$ref^{{commit}}" >/dev/null '
         '|| { echo "commit $ref is not in the repository"; exit 3; }\n'
-        f'{{ {{ {git} ls-tree -r -z --name-only "$ref"; '
-        "find . -path ./.git -prune -o \\( -type f -o -type l \\) -printf '%P\\0'; } "
+        "work=$(mktemp -d) || exit 4; trap 'rm -rf -- \"$work\"' EXIT\n"
+        f'{git} init -q --template= "$work/rules" >/dev/null || exit 4\n'
+        f"{git} ls-tree -r -z --name-only \"$ref\" | grep -zE '(^|/)\\.gitignore$' "
+        "| while IFS= read -r -d '' g; do\n"
+        '  mkdir -p -- "$work/rules/$(dirname -- "$g")" '
+        f'&& {git} cat-file blob "$ref:$g" > "$work/rules/$g" || exit 4\n'
+        "done || exit 4\n"
+        "find . -path ./.git -prune -o \\( -type f -o -type l \\) -printf '%P\\0' | sort -zu > \"$work/found\"\n"
+        f'{git} -C "$work/rules" -c core.excludesFile=/dev/null check-ignore --no-index -z --stdin '
+        '< "$work/found" > "$work/ignored"; [ $? -le 1 ] || exit 4\n'
+        f'grep -zvE {shlex.quote(BYTECODE_PATTERN)} "$work/ignored" | sort -zu > "$work/kept"\n'
+        f'{{ {{ {git} ls-tree -r -z --name-only "$ref"; comm -z -23 "$work/found" "$work/kept"; }} '
         f"| grep -zE {shlex.quote(pattern)}; printf %s {shlex.quote(listed)} | tr '\\n' '\\0'; }} "
         "| sort -zu | while IFS= read -r -d '' f; do\n"
         '  [ -n "$f" ] || continue\n'
