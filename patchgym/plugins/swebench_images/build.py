@@ -180,10 +180,13 @@ class ImageBuilder:
             seconds = round(time.monotonic() - start, 1)
             return ImageResult(row["instance_id"], image, status, seconds, error, str(log) if log.exists() else "")
 
-        client = docker.from_env()
+        try:
+            client = docker.from_env()
+        except docker.errors.DockerException as exc:
+            return result("failed", f"no Docker engine is reachable: {exc}")
         try:
             return result(self._build(row, image, log, client, stage))
-        except (PatchgymError, OSError) as exc:
+        except (PatchgymError, OSError, docker.errors.DockerException) as exc:
             return result("failed", str(exc))
         finally:
             client.close()

@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -18,8 +18,9 @@ from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import registry
 from patchgym.plugins.swe_data import load_rows
 from patchgym.plugins.swebench import SWEBenchTaskSet
-from patchgym.plugins.swebench_images.build import BuildSettings, ImageBuilder, ImageResult
-from patchgym.plugins.swebench_images.sources import RepoSources
+
+if TYPE_CHECKING:  # the docker SDK is an extra: imported when the command runs
+    from patchgym.plugins.swebench_images.build import ImageBuilder, ImageResult
 
 console = Console()
 DEFAULT_CACHE = Path.home() / ".cache" / "patchgym" / "swebench-images"
@@ -109,6 +110,8 @@ def build_images_command(
     if task_set != "swebench":
         raise ConfigError(f"build-images builds SWE-bench instance images: use the swebench task set, not {task_set!r}")
     from patchgym.cli import parse_options
+    from patchgym.plugins.swebench_images.build import BuildSettings, ImageBuilder
+    from patchgym.plugins.swebench_images.sources import RepoSources
 
     options = {"namespace": "", **parse_options(option)}
     if "path" not in options:
