@@ -18,13 +18,14 @@ from patchgym.plugins.swebench_images.bases import Base
 from patchgym.plugins.swebench_images.build import image_key
 from patchgym.plugins.swebench_images.recipe import (
     PROJECT,
+    Recipe,
     make_recipe,
     pip_requirements,
     project_requirement,
     requirements_text,
 )
 from patchgym.plugins.swebench_images.sources import RepoSources, checkout
-from patchgym.plugins.swebench_images.wheels import Lock, Target, files_for, lock_key
+from patchgym.plugins.swebench_images.wheels import Lock, Target, files_for, lock_key, sdist_build_requirements
 from tests.conftest import require_docker
 from tests.swebench_lite import FLASK, PYLINT, ROWS, extract_sources, lite_rows
 
@@ -34,7 +35,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> RepoSources:
     return RepoSources({}, extract_sources(tmp_path_factory.mktemp("sources")))
 
 
-def recipe_of(instance_id: str, sources: RepoSources, **changes: object):  # noqa: ANN201
+def recipe_of(instance_id: str, sources: RepoSources, **changes: object) -> Recipe:
     row = lite_rows()[instance_id]
     return make_recipe({**row, **changes}, sources.reader(row["repo"]))
 
@@ -171,6 +172,26 @@ def test_platforms_and_wheel_choice_follow_the_targets_glibc_and_python(tmp_path
     assert chosen == sorted([names[0], "newglibc-1.0.tar.gz", "pure-2.0-py3-none-any.whl"])
     with pytest.raises(BuildError, match="absent==1"):
         files_for(["absent==1"], target, tmp_path)
+
+
+def test_an_sdists_build_requirements_are_read_from_its_pyproject(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    def sdist(name: str, pyproject: str | None) -> Path:
+        path = tmp_path / f"{name}-1.0.tar.gz"
+        with tarfile.open(path, "w:gz") as archive:
+            files = {"setup.py": "", **({"pyproject.toml": pyproject} if pyproject is not None else {})}
+            for file, text in files.items():
+                info = tarfile.TarInfo(f"{name}-1.0/{file}")
+                info.size = len(text.encode())
+                archive.addfile(info, io.BytesIO(text.encode()))
+        return path
+
+    flit = '[build-system]\nrequires = ["flit_core >=3.2,<4"]\nbuild-backend = "flit_core.buildapi"\n'
+    assert sdist_build_requirements(sdist("modern", flit)) == ("flit_core >=3.2,<4",)
+    assert sdist_build_requirements(sdist("legacy", None)) == ("setuptools>=40.8.0", "wheel")
+    assert sdist_build_requirements(sdist("tools_only", "[tool.black]\n")) == ("setuptools>=40.8.0", "wheel")
 
 
 def test_image_keys_change_with_every_input(sources: RepoSources) -> None:

@@ -158,7 +158,6 @@ class ImageBuilder:
         self.settings = settings
         self._bases: dict[str, Base] = {}
         self._base_lock = threading.Lock()
-        self._resolve_lock = threading.Lock()  # one pip/uv at a time writes the wheel cache
 
     def image_name(self, row: Mapping[str, Any]) -> str:
         return swebench_image(row["instance_id"], namespace="", arch=self.settings.arch, tag=self.settings.tag)
@@ -207,15 +206,10 @@ class ImageBuilder:
             key = lock_key(base.target, recipe.repo, recipe.base_commit, recipe.steps)
             # resolving builds the project's metadata, which writes into the tree: use a copy
             project = shutil.copytree(context / "testbed", folder / "project", ignore=shutil.ignore_patterns(".git"))
-            with self._resolve_lock:
-                lock = resolve(
-                    recipe.steps,
-                    base.target,
-                    project=project,
-                    cache=self.settings.cache,
-                    key=key,
-                    offline=self.settings.offline,
-                )
+            settings = self.settings
+            lock = resolve(
+                recipe.steps, base.target, project=project, cache=settings.cache, key=key, offline=settings.offline
+            )
             key = image_key(recipe, base, lock)
             if not self.settings.force and _label(client, image) == key:
                 return "cached"

@@ -38,7 +38,9 @@ def pairs(items: Sequence[str] | None, what: str) -> dict[str, str]:
     return found
 
 
-async def build_all(rows: Sequence[Mapping[str, Any]], builder: ImageBuilder, concurrency: int) -> list[ImageResult]:
+async def build_all(
+    rows: Sequence[Mapping[str, Any]], builder: ImageBuilder, concurrency: int, *, show_progress: bool = True
+) -> list[ImageResult]:
     """Build every row's image, `concurrency` at once, with a progress line per image in flight."""
     gate = asyncio.Semaphore(concurrency)
     columns = (
@@ -48,7 +50,7 @@ async def build_all(rows: Sequence[Mapping[str, Any]], builder: ImageBuilder, co
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as progress:
+    with Progress(*columns, console=console, transient=True, disable=not show_progress) as progress:
         overall = progress.add_task("images", total=len(rows))
 
         async def one(row: Mapping[str, Any]) -> ImageResult:
@@ -133,7 +135,7 @@ def build_images_command(
         force=force,
         offline=offline,
     )
-    results = asyncio.run(build_all(rows, ImageBuilder(settings), concurrency))
+    results = asyncio.run(build_all(rows, ImageBuilder(settings), concurrency, show_progress=not as_json))
     failed = [r for r in results if r.status == "failed"]
     if as_json:
         print(json.dumps({"ok": not failed, "images": [r.as_dict() for r in results]}, indent=2))

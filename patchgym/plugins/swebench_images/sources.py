@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchgym.core.errors import ConfigError
+from patchgym.plugins.swebench_images.recipe import ReadFile
 
 
 def _git(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -50,7 +51,7 @@ class RepoSources:
             raise ConfigError(f"the source of {repo} ({source}) does not hold commit {commit}: fetch it there first")
         return source
 
-    def reader(self, repo: str):  # noqa: ANN201 - a ReadFile
+    def reader(self, repo: str) -> ReadFile:
         """A `ReadFile` for `repo`: the text of a path at a commit, None if absent there."""
         source = self.path(repo)
 

@@ -15,6 +15,7 @@ there with `offline=True`.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -160,6 +161,11 @@ def _parse(name: str) -> tuple[str, str, frozenset[Tag] | None] | None:
         return None
 
 
+def _is_sdist(path: Path) -> bool:
+    parsed = _parse(path.name)
+    return parsed is not None and parsed[2] is None
+
+
 def files_for(pins: Iterable[str], target: Target, wheels: Path) -> list[Path]:
     """The files in `wheels` that install `pins` on the target: compatible wheels, else sdists."""
     index: dict[tuple[str, str], list[tuple[Path, frozenset[Tag] | None]]] = {}
@@ -205,7 +211,15 @@ def resolve(
     wheels, locks = cache / "wheels", cache / "locks"
     wheels.mkdir(parents=True, exist_ok=True)
     locks.mkdir(parents=True, exist_ok=True)
-    lock_path = locks / f"{key}.json"
+    with (cache / ".lock").open("w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # one resolver writes the cache at a time, across processes
+        return _resolve(steps, target, project=project, wheels=wheels, lock_path=locks / f"{key}.json", offline=offline)
+
+
+def _resolve(
+    steps: Iterable[Step], target: Target, *, project: Path | None, wheels: Path, lock_path: Path, offline: bool
+) -> Lock:
+    key, locks = lock_path.stem, lock_path.parent
     if lock_path.is_file():
         lock = Lock(key=key, **json.loads(lock_path.read_text()))
         if _intact(lock, wheels):
@@ -222,7 +236,7 @@ def resolve(
         done: set[Path] = set()
         for round_ in range(MAX_SDIST_ROUNDS):
             chosen = files_for([p for step_pins in pins.values() for p in step_pins], target, wheels)
-            sdists = [path for path in chosen if _parse(path.name)[2] is None and path not in done]  # type: ignore[index]
+            sdists = [path for path in chosen if _is_sdist(path) and path not in done]
             if not sdists:
                 break
             needed = sorted({req for path in sdists for req in sdist_build_requirements(path)})
