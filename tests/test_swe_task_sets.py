@@ -37,9 +37,13 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
 
 
 def swebench_set(
-    tmp_path: Path, kind: str, extra_files: dict[str, str] | None = None, **options: Any
+    tmp_path: Path,
+    kind: str,
+    extra_files: dict[str, str] | None = None,
+    links: dict[str, str] | None = None,
+    **options: Any,
 ) -> SWEBenchTaskSet:
-    repos, row = swebench_fixture(tmp_path, extra_files)
+    repos, row = swebench_fixture(tmp_path, extra_files, links)
     data = write_rows(tmp_path / "instances.jsonl", [row])
     if kind == "docker":
         require_docker()
@@ -324,6 +328,22 @@ async def test_the_restore_keeps_what_the_base_commit_ignores(
         left = await sandbox.exec(f"ls {' '.join(BUILT_FILES + doomed)}", timeout_s=60)
     assert grade.reward == 1.0, grade.details
     assert sorted(left.stdout.split()) == sorted(BUILT_FILES), left.output
+
+
+async def test_the_restore_gives_back_executable_bits_and_symbolic_links(
+    tmp_path: Path, sandbox_kind: tuple[str, SandboxBackend]
+) -> None:
+    kind, backend = sandbox_kind
+    script = "#!/bin/sh\necho fixture\n"
+    (task,) = swebench_set(tmp_path, kind, {"tests/data/run.sh": script}, {"tests/data/link.py": "../test_calc.py"})
+    vandalise = "chmod -x tests/data/run.sh && rm tests/data/link.py && echo forged > tests/data/link.py"
+    async with await start_task_sandbox(backend, task) as sandbox:
+        assert (await sandbox.exec(vandalise, timeout_s=60)).ok
+        await task.grader.grade(sandbox)
+        check = "tests/data/run.sh && readlink tests/data/link.py && git status --porcelain"
+        after = await sandbox.exec(check, timeout_s=60)
+    assert after.ok and after.stdout.splitlines()[:2] == ["fixture", "../test_calc.py"], after.output
+    assert "tests/data" not in after.stdout, after.output  # git sees no change there
 
 
 async def test_swesmith_validate_hides_and_restores_tests(

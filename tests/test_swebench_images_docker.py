@@ -95,7 +95,7 @@ def test_the_image_holds_the_base_commit_and_an_offline_environment(
     script = (
         "git rev-parse HEAD~1; git log -1 --format=%s; git status --porcelain; git rev-list --all | wc -l; "
         "python --version; source /opt/miniconda3/bin/activate && conda activate testbed && echo $VIRTUAL_ENV; "
-        "python -m pip config list"
+        "python -m pip config list; python -m pip install -q -e . >/dev/null 2>&1 && echo reinstalled"
     )
     client = docker.from_env()
     try:
@@ -107,6 +107,7 @@ def test_the_image_holds_the_base_commit_and_an_offline_environment(
     assert lines[1:3] == ["SWE-bench", "2"], lines  # a clean tree; no history after the base commit
     assert lines[3].startswith("Python 3.9") and lines[4] == "/opt/miniconda3/envs/testbed"
     assert "global.no-index='true'" in lines and "global.find-links='/opt/patchgym/wheels'" in lines
+    assert lines[-1] == "reinstalled"  # the specs' install step again, offline (the task set's reinstall)
 
 
 @pytest.mark.parametrize("instance_id", [FLASK, PYLINT])

@@ -161,7 +161,8 @@ hash-based `.pyc` is imported without a look at the restored source beside it)."
 
 def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PATTERN) -> str:
     """Bash that resets every test path (matching `pattern`) and `files` to their blobs at commit
-    `ref`: files at `ref` are written from the blob, files absent there are deleted.
+    `ref`: files at `ref` are written from the blob (with its executable bit, or as the symbolic
+    link it is), files absent there are deleted.
 
     Untracked files that the `.gitignore` files of `ref` ignore (build output such as
     `*.egg-info` or a compiled extension) are left alone, except Python bytecode. The rules are
@@ -176,8 +177,9 @@ def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PA
         '|| { echo "commit $ref is not in the repository"; exit 3; }\n'
         "work=$(mktemp -d) || exit 4; trap 'rm -rf -- \"$work\"' EXIT\n"
         f'{git} init -q --template= "$work/rules" >/dev/null || exit 4\n'
-        f"{git} ls-tree -r -z --name-only \"$ref\" | grep -zE '(^|/)\\.gitignore$' "
-        "| while IFS= read -r -d '' g; do\n"
+        f"{git} ls-tree -r -z \"$ref\" | grep -z '^[0-7]* blob ' | sed -z 's/^[^\\t]*\\t//' "
+        '| sort -zu > "$work/tracked"\n'
+        "grep -zE '(^|/)\\.gitignore$' \"$work/tracked\" | while IFS= read -r -d '' g; do\n"
         '  mkdir -p -- "$work/rules/$(dirname -- "$g")" '
         f'&& {git} cat-file blob "$ref:$g" > "$work/rules/$g" || exit 4\n'
         "done || exit 4\n"
@@ -185,15 +187,21 @@ def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PA
         f'{git} -C "$work/rules" -c core.excludesFile=/dev/null check-ignore --no-index -z --stdin '
         '< "$work/found" > "$work/ignored"; [ $? -le 1 ] || exit 4\n'
         f'grep -zvE {shlex.quote(BYTECODE_PATTERN)} "$work/ignored" | sort -zu > "$work/kept"\n'
-        f'{{ {{ {git} ls-tree -r -z --name-only "$ref"; comm -z -23 "$work/found" "$work/kept"; }} '
+        '{ { cat "$work/tracked"; comm -z -23 "$work/found" "$work/kept"; } '
         f"| grep -zE {shlex.quote(pattern)}; printf %s {shlex.quote(listed)} | tr '\\n' '\\0'; }} "
-        "| sort -zu | while IFS= read -r -d '' f; do\n"
-        '  [ -n "$f" ] || continue\n'
-        '  rm -rf -- "$f" || exit 4\n'
-        f'  if {git} cat-file -e "$ref:$f" 2>/dev/null; then\n'
-        f'    mkdir -p -- "$(dirname -- "$f")" && {git} cat-file blob "$ref:$f" > "$f" || exit 4\n'
-        "  fi\n"
-        "done"
+        "| grep -zv '^$' | sort -zu > \"$work/restore\"\n"
+        'xargs -0 -r rm -rf -- < "$work/restore" || exit 4\n'
+        'comm -z -12 "$work/restore" "$work/tracked" > "$work/present"\n'
+        "while IFS= read -r -d '' f; do case $f in */*) printf '%s\\0' \"${f%/*}\";; esac; done < \"$work/present\" "
+        "| sort -zu | xargs -0 -r mkdir -p -- || exit 4\n"
+        "while IFS= read -r -d '' f; do\n"
+        f'  {git} cat-file blob "$ref:$f" > "$f" || exit 4\n'
+        'done < "$work/present"\n'
+        f"{git} ls-tree -r -z \"$ref\" | grep -zE '^(100755|120000) blob ' | while IFS= read -r -d '' e; do\n"
+        '  f=${e#*$\'\\t\'}; grep -qzxF -- "$f" "$work/present" || continue\n'
+        '  if [ "${e%% *}" = 120000 ]; then t=$(cat -- "$f") && rm -f -- "$f" && ln -s -- "$t" "$f" || exit 4\n'
+        '  else chmod +x -- "$f" || exit 4; fi\n'
+        "done\n"
     )
 
 
