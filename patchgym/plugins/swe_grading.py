@@ -218,7 +218,8 @@ class SWELogGrader(ShellGrader):
     applied), then `test_setup` (environment activation, the specs' eval commands) and
     `test_command` in one clean shell in the workdir. Only the test command's output is parsed.
     `log_parser`: "swebench" (the package's parser for `repo`), a swebench `parse_log_*` name,
-    or patchgym's "pytest"/"unittest".
+    or patchgym's "pytest"/"unittest". `timeout_s` bounds the install, the test-file restore
+    and the test run, each.
     """
 
     instance_id: str
@@ -249,7 +250,7 @@ class SWELogGrader(ShellGrader):
             steps = "; ".join(s for s in (self.test_setup, self.install) if s)
             installed = await room.run(f"{{ {steps}\n}} >> {log} 2>&1", timeout_s=self.timeout_s)
             details["install_exit_code"] = installed.exit_code
-        restored = await room.run(restore_script(self.restore_ref, self.test_files), timeout_s=300)
+        restored = await room.run(restore_script(self.restore_ref, self.test_files), timeout_s=self.timeout_s)
         if not restored.ok:
             raise GradingSetupError("cannot restore the test files (test_restore_failed)", restored.output)
         if self.test_patch:
