@@ -220,6 +220,10 @@ def test_the_command_refuses_bad_input_with_the_reason(tmp_path: Path) -> None:
     assert no_path.exit_code == 2 and "-o path=" in no_path.output
     bad_pair = runner.invoke(app, ["tasks", "build-images", "swebench", "-o", f"path={ROWS}", "--base", "3.9"])
     assert bad_pair.exit_code == 2 and "--base takes KEY=VALUE" in bad_pair.output
+    incomplete = tmp_path / "rows.jsonl"
+    incomplete.write_text(json.dumps({k: v for k, v in lite_rows()[FLASK].items() if k != "version"}) + "\n")
+    no_version = runner.invoke(app, ["tasks", "build-images", "swebench", "-o", f"path={incomplete}"])
+    assert no_version.exit_code == 2 and "pallets__flask-4045" in no_version.output and "version" in no_version.output
 
 
 def test_a_row_without_a_source_fails_alone_with_its_error(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import registry
-from patchgym.plugins.swe_data import load_rows
+from patchgym.plugins.swe_data import load_rows, require
 from patchgym.plugins.swebench import SWEBenchTaskSet
 
 if TYPE_CHECKING:  # the docker SDK is an extra: imported when the command runs
@@ -125,6 +125,8 @@ def build_images_command(
     rows = chosen.select(load_rows(chosen.path, split=chosen.options["split"]))
     if not rows:
         raise ConfigError(f"{chosen.path} holds no instances to build")
+    for row in rows:
+        require(row, ("instance_id", "repo", "base_commit", "version"), chosen.path)
     sources = RepoSources({repo: Path(path) for repo, path in pairs(repo_source, "--repo-source").items()}, repos_dir)
     settings = BuildSettings(
         sources=sources,
