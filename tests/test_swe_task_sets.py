@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from patchgym.plugins.swe_grading import SWELogGrader
 from patchgym.plugins.swebench import SWEBenchTaskSet, swebench_test_command
 from patchgym.plugins.swesmith import SWESmithTaskSet
 from tests.conftest import make_backend, require_docker
-from tests.swe_fixtures import build_image, swebench_fixture, swesmith_fixture
+from tests.swe_fixtures import build_image, git, swebench_fixture, swesmith_fixture
 from tests.test_grading import FORGING_CONFTEST
 
 FIXTURE_OPTIONS = {"activate": "", "reinstall": False}
@@ -344,6 +345,31 @@ async def test_the_restore_gives_back_executable_bits_and_symbolic_links(
         after = await sandbox.exec(check, timeout_s=60)
     assert after.ok and after.stdout.splitlines()[:2] == ["fixture", "../test_calc.py"], after.output
     assert "tests/data" not in after.stdout, after.output  # git sees no change there
+
+
+@pytest.mark.parametrize("kind", ["local-none", "local-bwrap"])
+async def test_a_test_folder_turned_into_a_link_cannot_smuggle_in_a_module(tmp_path: Path, kind: str) -> None:
+    """The agent moves tests/ aside, links tests -> its copy and adds an __init__.py there
+    (none at the base commit): restored through the link, the tests would import that package
+    module, which fixes calc.add for the test run only. The link goes; the tests run as they are
+    at the base commit (without the fix git apply refuses the test patch "beyond a symbolic
+    link": a 0 too, but for want of a test run)."""
+    repos, row = swebench_fixture(tmp_path)
+    checkout = repos / row["instance_id"]
+    subprocess.run(["git", "rm", "-q", "tests/__init__.py"], cwd=checkout, check=True)
+    (checkout / "pytest.ini").write_text("[pytest]\npythonpath = .\n")  # calc stays importable
+    git(checkout, "add", "pytest.ini")
+    row["base_commit"] = git(checkout, "commit", "-q", "-m", "no package marker") or git(checkout, "rev-parse", "HEAD")
+    (task,) = SWEBenchTaskSet(write_rows(tmp_path / "rows.json", [row]), repos_dir=str(repos), **FIXTURE_OPTIONS)
+    plant = "printf 'import calc\\ncalc.add = lambda a, b: a + b\\n' > aside/__init__.py"
+    smuggle = f"mv tests aside && ln -s aside tests && {plant}"
+    backend = make_backend(kind, tmp_path)
+    try:
+        grade = await grade_after(backend, task, smuggle)
+    finally:
+        await backend.aclose()
+    assert (grade["reward"], grade["details"]["reason"]) == (0.0, "tests_failed"), grade
+    assert grade["tests"]["tests/test_calc.py::test_add"] == "FAILED"
 
 
 async def test_swesmith_validate_hides_and_restores_tests(

@@ -164,7 +164,9 @@ def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PA
     `ref`: files at `ref` are written from the blob (with its executable bit, or as the symbolic
     link it is), files absent there are deleted.
 
-    Untracked files that the `.gitignore` files of `ref` ignore (build output such as
+    A symbolic link standing where `ref` has a test folder is removed first (the files would be
+    written through it, and what else its target holds would stay). Untracked files that the
+    `.gitignore` files of `ref` ignore (build output such as
     `*.egg-info` or a compiled extension) are left alone, except Python bytecode. The rules are
     read from the commit's blobs into a scratch repository, never from the working tree: an
     ignore line the agent adds cannot hide a file it planted.
@@ -182,6 +184,9 @@ def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PA
         "grep -zE '(^|/)\\.gitignore$' \"$work/tracked\" | while IFS= read -r -d '' g; do\n"
         '  mkdir -p -- "$work/rules/$(dirname -- "$g")" '
         f'&& {git} cat-file blob "$ref:$g" > "$work/rules/$g" || exit 4\n'
+        "done || exit 4\n"
+        f"{git} ls-tree -r -d -z --name-only \"$ref\" | sed -z 's|$|/|' | grep -zE {shlex.quote(pattern)} "
+        '| while IFS= read -r -d \'\' d; do d=${d%/}; if [ -L "$d" ]; then rm -f -- "$d" || exit 4; fi\n'
         "done || exit 4\n"
         "find . -path ./.git -prune -o \\( -type f -o -type l \\) -printf '%P\\0' | sort -zu > \"$work/found\"\n"
         f'{git} -C "$work/rules" -c core.excludesFile=/dev/null check-ignore --no-index -z --stdin '
