@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -111,6 +112,9 @@ def build_images_command(
     on the host, `docker build --network none`; images named as the harness names local ones."""
     if task_set != "swebench":
         raise ConfigError(f"build-images builds SWE-bench instance images: use the swebench task set, not {task_set!r}")
+    missing = [name for name in ("swebench", "uv", "docker") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"build-images needs {', '.join(missing)}: pip install 'patchgym[swebench,docker]'")
     from patchgym.cli import parse_options
     from patchgym.plugins.swebench_images.build import BuildSettings, ImageBuilder
     from patchgym.plugins.swebench_images.sources import RepoSources
