@@ -244,3 +244,12 @@ def test_a_row_without_a_source_fails_alone_with_its_error(tmp_path: Path) -> No
     assert images[PYLINT]["status"] == "failed" and "--repo-source nobody/nothing=PATH" in images[PYLINT]["error"]
     assert images[FLASK]["status"] == "failed" and "resolve this image once with network" in images[FLASK]["error"]
     assert images[FLASK]["image"] == "sweb.eval.x86_64.pallets__flask-4045:latest"
+
+
+def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uv" else real(name, *a))
+    result = CliRunner().invoke(app, ["tasks", "build-images", "swebench", "-o", f"path={ROWS}"])
+    assert result.exit_code == 2 and "needs uv" in result.output and "patchgym[swebench,docker]" in result.output
