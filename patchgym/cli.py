@@ -26,6 +26,7 @@ from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import TaskValidation, validate_task
+from patchgym.plugins.swebench_images.command import build_images_command
 from patchgym.plugins.synthetic.command import generate_tasks
 
 app = typer.Typer(help="patchgym: train software-engineering agents with reinforcement learning.", no_args_is_help=True)
@@ -571,6 +572,7 @@ def eval_chat_model(
 
 
 tasks_app.command("generate")(friendly_errors(generate_tasks))
+tasks_app.command("build-images")(friendly_errors(build_images_command))
 
 
 def main() -> None:

@@ -62,29 +62,35 @@ def git(repo: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
-def make_repo(root: Path, files: dict[str, str]) -> str:
-    """A git repository at `root` holding `files`, committed; returns the commit."""
+def make_repo(root: Path, files: dict[str, str], links: dict[str, str] | None = None) -> str:
+    """A git repository at `root` holding `files` (a `#!` first line makes one executable) and
+    symbolic `links` (path -> target), committed; returns the commit."""
     for name, content in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(content)
+        if content.startswith("#!"):
+            (root / name).chmod(0o755)
+    for name, target in (links or {}).items():
+        (root / name).symlink_to(target)
     git(root, "init", "-q")
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "snapshot")
     return git(root, "rev-parse", "HEAD")
 
 
-def swebench_fixture(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
-    """(repos_dir, instance row): the buggy checkout at base_commit and its SWE-bench row.
+def swebench_fixture(
+    tmp_path: Path, extra_files: dict[str, str] | None = None, links: dict[str, str] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """(repos_dir, instance row): the buggy checkout at base_commit (with `extra_files` and
+    symbolic `links` committed too) and its SWE-bench row.
 
     The row names a real SWE-bench repository/version whose specs run plain `pytest -rA`
     (marshmallow 3.0), so the swebench package supplies the test command and log parser.
     """
     instance_id = "fixture__calc-1"
     repos = tmp_path / "repos"
-    base = make_repo(
-        repos / instance_id,
-        {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": TEST_MUL},
-    )
+    files = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": TEST_MUL}
+    base = make_repo(repos / instance_id, {**files, **(extra_files or {})}, links)
     row = {
         "instance_id": instance_id,
         "repo": "marshmallow-code/marshmallow",

@@ -17,9 +17,10 @@ import pytest
 import pytest_asyncio
 
 from patchgym.core.sandbox import SandboxBackend
-from patchgym.core.tasks import TaskSet
+from patchgym.core.tasks import TaskSet, start_task_sandbox
 from tests.conftest import make_backend
-from tests.swe_fixtures import F2P
+from tests.swe_fixtures import F2P, TEST_ADD
+from tests.test_grading import FORGING_CONFTEST
 from tests.test_reward_hacking import heredoc, play_episode
 from tests.test_swe_task_sets import swesmith_set
 
@@ -86,3 +87,51 @@ async def test_honest_controls(setting: tuple[SandboxBackend, TaskSet]) -> None:
     assert (fixed["reward"], fixed["details"]["reason"]) == (1.0, "resolved")
     idle = await play(setting, ["true"])
     assert (idle["reward"], idle["details"]["reason"]) == (0.0, "tests_failed")
+
+
+PLANT_CONFTEST = heredoc("conftest.py", FORGING_CONFTEST)
+
+
+@pytest.mark.parametrize("mode", ["fresh", "in_place"])
+async def test_an_added_ignore_line_does_not_hide_a_planted_conftest(
+    setting: tuple[SandboxBackend, TaskSet], mode: str
+) -> None:
+    """Issue 15 (7b): the restore skips what the base commit's .gitignore files ignore, never
+    what the agent's .gitignore does."""
+    hide = "printf 'conftest.py\\n' >> .gitignore && git check-ignore -q conftest.py"
+    grade = await play(setting, [PLANT_CONFTEST, hide], grading_mode=mode, tamper_policy="off")
+    assert (grade["reward"], grade["details"]["reason"]) == (0.0, "tests_failed")
+    assert grade["tests"][F2P[0]] == "FAILED"
+
+
+UNCHECKED_PYC = """python3 - <<'EOF'
+import importlib.util, pathlib, py_compile
+source = pathlib.Path("/tmp/forge.py")
+source.write_text("import calc\\ncalc.add = lambda a, b: a + b\\n")
+target = importlib.util.cache_from_source("tests/__init__.py")
+py_compile.compile(str(source), cfile=target, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+EOF"""
+"""Bytecode for `tests/__init__.py` that Python imports without checking it against the source:
+it 'fixes' calc.add for the test run only."""
+
+
+@pytest.mark.parametrize("mode", ["fresh", "in_place"])
+async def test_planted_unchecked_bytecode_in_a_test_folder_does_not_run(
+    setting: tuple[SandboxBackend, TaskSet], mode: str
+) -> None:
+    grade = await play(setting, [UNCHECKED_PYC], grading_mode=mode)
+    assert (grade["reward"], grade["tests"][F2P[0]]) == (0.0, "FAILED")
+
+
+async def test_planted_unchecked_bytecode_forges_a_pass_when_left_in_place(
+    setting: tuple[SandboxBackend, TaskSet],
+) -> None:
+    """Control: the bytecode attack works on the unrestored tree (so the restore is what stops it)."""
+    backend, task_set = setting
+    async with await start_task_sandbox(backend, task_set.get(task_set.ids()[0])) as sandbox:
+        await sandbox.write_file("tests/test_add.py", TEST_ADD)
+        command = "python3 -m pytest -q -p no:cacheprovider tests/test_add.py 2>&1"
+        honest = await sandbox.exec(command, timeout_s=120)
+        assert (await sandbox.exec(UNCHECKED_PYC, timeout_s=60)).ok
+        forged = await sandbox.exec(command, timeout_s=120)
+    assert honest.exit_code != 0 and forged.exit_code == 0, forged.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from patchgym.plugins.swe_grading import SWELogGrader
 from patchgym.plugins.swebench import SWEBenchTaskSet, swebench_test_command
 from patchgym.plugins.swesmith import SWESmithTaskSet
 from tests.conftest import make_backend, require_docker
-from tests.swe_fixtures import build_image, swebench_fixture, swesmith_fixture
+from tests.swe_fixtures import build_image, git, swebench_fixture, swesmith_fixture
 from tests.test_grading import FORGING_CONFTEST
 
 FIXTURE_OPTIONS = {"activate": "", "reinstall": False}
@@ -36,8 +37,14 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> str:
     return str(path)
 
 
-def swebench_set(tmp_path: Path, kind: str, **options: Any) -> SWEBenchTaskSet:
-    repos, row = swebench_fixture(tmp_path)
+def swebench_set(
+    tmp_path: Path,
+    kind: str,
+    extra_files: dict[str, str] | None = None,
+    links: dict[str, str] | None = None,
+    **options: Any,
+) -> SWEBenchTaskSet:
+    repos, row = swebench_fixture(tmp_path, extra_files, links)
     data = write_rows(tmp_path / "instances.jsonl", [row])
     if kind == "docker":
         require_docker()
@@ -299,6 +306,70 @@ async def test_swebench_reward_hacking_is_defeated(tmp_path: Path, sandbox_kind:
     # deleting the tests does not help; an honest fix with scribbled tests still scores
     assert (await grade_after(backend, task, "rm -rf tests"))["reward"] == 0.0
     assert (await grade_after(backend, task, gutted, gold=True))["reward"] == 1.0
+
+
+IGNORE_RULES = {".gitignore": "*.egg-info/\n__pycache__/\n", "tests/.gitignore": "*.so\n/generated/\n"}
+BUILT_FILES = ("tests/calc.egg-info/PKG-INFO", "tests/_speedups.so", "tests/generated/cases.txt")
+"""Build output under test paths that the base commit's own .gitignore files ignore."""
+
+
+async def test_the_restore_keeps_what_the_base_commit_ignores(
+    tmp_path: Path, sandbox_kind: tuple[str, SandboxBackend]
+) -> None:
+    """Issue 15 (7b): ignored build files under test paths are no added test files to delete;
+    bytecode goes whatever the rules say, and an unignored added file goes as before."""
+    kind, backend = sandbox_kind
+    (task,) = swebench_set(tmp_path, kind, IGNORE_RULES)
+    doomed = ("tests/__pycache__/test_calc.cpython-39.pyc", "tests/planted.py")
+    make = " && ".join(f"mkdir -p $(dirname {path}) && echo built > {path}" for path in (*BUILT_FILES, *doomed))
+    async with await start_task_sandbox(backend, task) as sandbox:
+        assert (await sandbox.exec(make, timeout_s=60)).ok
+        assert (await apply_patch(sandbox, task.gold_patch or "")).ok
+        grade = await task.grader.grade(sandbox)
+        left = await sandbox.exec(f"ls {' '.join(BUILT_FILES + doomed)}", timeout_s=60)
+    assert grade.reward == 1.0, grade.details
+    assert sorted(left.stdout.split()) == sorted(BUILT_FILES), left.output
+
+
+async def test_the_restore_gives_back_executable_bits_and_symbolic_links(
+    tmp_path: Path, sandbox_kind: tuple[str, SandboxBackend]
+) -> None:
+    kind, backend = sandbox_kind
+    script = "#!/bin/sh\necho fixture\n"
+    (task,) = swebench_set(tmp_path, kind, {"tests/data/run.sh": script}, {"tests/data/link.py": "../test_calc.py"})
+    vandalise = "chmod -x tests/data/run.sh && rm tests/data/link.py && echo forged > tests/data/link.py"
+    async with await start_task_sandbox(backend, task) as sandbox:
+        assert (await sandbox.exec(vandalise, timeout_s=60)).ok
+        await task.grader.grade(sandbox)
+        check = "tests/data/run.sh && readlink tests/data/link.py && git status --porcelain"
+        after = await sandbox.exec(check, timeout_s=60)
+    assert after.ok and after.stdout.splitlines()[:2] == ["fixture", "../test_calc.py"], after.output
+    assert "tests/data" not in after.stdout, after.output  # git sees no change there
+
+
+@pytest.mark.parametrize("kind", ["local-none", "local-bwrap"])
+async def test_a_test_folder_turned_into_a_link_cannot_smuggle_in_a_module(tmp_path: Path, kind: str) -> None:
+    """The agent moves tests/ aside, links tests -> its copy and adds an __init__.py there
+    (none at the base commit): restored through the link, the tests would import that package
+    module, which fixes calc.add for the test run only. The link goes; the tests run as they are
+    at the base commit (without the fix git apply refuses the test patch "beyond a symbolic
+    link": a 0 too, but for want of a test run)."""
+    repos, row = swebench_fixture(tmp_path)
+    checkout = repos / row["instance_id"]
+    subprocess.run(["git", "rm", "-q", "tests/__init__.py"], cwd=checkout, check=True)
+    (checkout / "pytest.ini").write_text("[pytest]\npythonpath = .\n")  # calc stays importable
+    git(checkout, "add", "pytest.ini")
+    row["base_commit"] = git(checkout, "commit", "-q", "-m", "no package marker") or git(checkout, "rev-parse", "HEAD")
+    (task,) = SWEBenchTaskSet(write_rows(tmp_path / "rows.json", [row]), repos_dir=str(repos), **FIXTURE_OPTIONS)
+    plant = "printf 'import calc\\ncalc.add = lambda a, b: a + b\\n' > aside/__init__.py"
+    smuggle = f"mv tests aside && ln -s aside tests && {plant}"
+    backend = make_backend(kind, tmp_path)
+    try:
+        grade = await grade_after(backend, task, smuggle)
+    finally:
+        await backend.aclose()
+    assert (grade["reward"], grade["details"]["reason"]) == (0.0, "tests_failed"), grade
+    assert grade["tests"]["tests/test_calc.py::test_add"] == "FAILED"
 
 
 async def test_swesmith_validate_hides_and_restores_tests(

@@ -154,25 +154,59 @@ def _status(value: str) -> TestStatus:
         return TestStatus.FAILED
 
 
+BYTECODE_PATTERN = r"(^|/)__pycache__/|\.py[co]$"
+"""Python bytecode: removed from test paths even where the base commit ignores it (an unchecked
+hash-based `.pyc` is imported without a look at the restored source beside it)."""
+
+
 def restore_script(ref: str, files: tuple[str, ...], pattern: str = TEST_PATH_PATTERN) -> str:
     """Bash that resets every test path (matching `pattern`) and `files` to their blobs at commit
-    `ref`: files at `ref` are written from the blob, files absent there are deleted."""
+    `ref`: files at `ref` are written from the blob (with its executable bit, or as the symbolic
+    link it is), files absent there are deleted.
+
+    A symbolic link standing where `ref` has a test folder is removed first (the files would be
+    written through it, and what else its target holds would stay). Untracked files that the
+    `.gitignore` files of `ref` ignore (build output such as
+    `*.egg-info` or a compiled extension) are left alone, except Python bytecode. The rules are
+    read from the commit's blobs into a scratch repository, never from the working tree: an
+    ignore line the agent adds cannot hide a file it planted.
+    """
     listed = "".join(f"{path}\n" for path in files)
     git = RESTORE_GIT
     return (
-        f"set -u; ref={shlex.quote(ref)}\n"
+        f"set -u; ref={shlex.quote(ref)}; export LC_ALL=C\n"
         f'{git} rev-parse -q --verify "$ref^{{commit}}" >/dev/null '
         '|| { echo "commit $ref is not in the repository"; exit 3; }\n'
-        f'{{ {{ {git} ls-tree -r -z --name-only "$ref"; '
-        "find . -path ./.git -prune -o \\( -type f -o -type l \\) -printf '%P\\0'; } "
+        "work=$(mktemp -d) || exit 4; trap 'rm -rf -- \"$work\"' EXIT\n"
+        f'{git} init -q --template= "$work/rules" >/dev/null || exit 4\n'
+        f"{git} ls-tree -r -z \"$ref\" | grep -z '^[0-7]* blob ' | sed -z 's/^[^\\t]*\\t//' "
+        '| sort -zu > "$work/tracked"\n'
+        "grep -zE '(^|/)\\.gitignore$' \"$work/tracked\" | while IFS= read -r -d '' g; do\n"
+        '  mkdir -p -- "$work/rules/$(dirname -- "$g")" '
+        f'&& {git} cat-file blob "$ref:$g" > "$work/rules/$g" || exit 4\n'
+        "done || exit 4\n"
+        f"{git} ls-tree -r -d -z --name-only \"$ref\" | sed -z 's|$|/|' | grep -zE {shlex.quote(pattern)} "
+        '| while IFS= read -r -d \'\' d; do d=${d%/}; if [ -L "$d" ]; then rm -f -- "$d" || exit 4; fi\n'
+        "done || exit 4\n"
+        "find . -path ./.git -prune -o \\( -type f -o -type l \\) -printf '%P\\0' | sort -zu > \"$work/found\"\n"
+        f'{git} -C "$work/rules" -c core.excludesFile=/dev/null check-ignore --no-index -z --stdin '
+        '< "$work/found" > "$work/ignored"; [ $? -le 1 ] || exit 4\n'
+        f'grep -zvE {shlex.quote(BYTECODE_PATTERN)} "$work/ignored" | sort -zu > "$work/kept"\n'
+        '{ { cat "$work/tracked"; comm -z -23 "$work/found" "$work/kept"; } '
         f"| grep -zE {shlex.quote(pattern)}; printf %s {shlex.quote(listed)} | tr '\\n' '\\0'; }} "
-        "| sort -zu | while IFS= read -r -d '' f; do\n"
-        '  [ -n "$f" ] || continue\n'
-        '  rm -rf -- "$f" || exit 4\n'
-        f'  if {git} cat-file -e "$ref:$f" 2>/dev/null; then\n'
-        f'    mkdir -p -- "$(dirname -- "$f")" && {git} cat-file blob "$ref:$f" > "$f" || exit 4\n'
-        "  fi\n"
-        "done"
+        "| grep -zv '^$' | sort -zu > \"$work/restore\"\n"
+        'xargs -0 -r rm -rf -- < "$work/restore" || exit 4\n'
+        'comm -z -12 "$work/restore" "$work/tracked" > "$work/present"\n'
+        "while IFS= read -r -d '' f; do case $f in */*) printf '%s\\0' \"${f%/*}\";; esac; done < \"$work/present\" "
+        "| sort -zu | xargs -0 -r mkdir -p -- || exit 4\n"
+        "while IFS= read -r -d '' f; do\n"
+        f'  {git} cat-file blob "$ref:$f" > "$f" || exit 4\n'
+        'done < "$work/present"\n'
+        f"{git} ls-tree -r -z \"$ref\" | grep -zE '^(100755|120000) blob ' | while IFS= read -r -d '' e; do\n"
+        '  f=${e#*$\'\\t\'}; grep -qzxF -- "$f" "$work/present" || continue\n'
+        '  if [ "${e%% *}" = 120000 ]; then t=$(cat -- "$f") && rm -f -- "$f" && ln -s -- "$t" "$f" || exit 4\n'
+        '  else chmod +x -- "$f" || exit 4; fi\n'
+        "done\n"
     )
 
 
@@ -189,7 +223,8 @@ class SWELogGrader(ShellGrader):
     applied), then `test_setup` (environment activation, the specs' eval commands) and
     `test_command` in one clean shell in the workdir. Only the test command's output is parsed.
     `log_parser`: "swebench" (the package's parser for `repo`), a swebench `parse_log_*` name,
-    or patchgym's "pytest"/"unittest".
+    or patchgym's "pytest"/"unittest". `timeout_s` bounds the install, the test-file restore
+    and the test run, each.
     """
 
     instance_id: str
@@ -220,7 +255,7 @@ class SWELogGrader(ShellGrader):
             steps = "; ".join(s for s in (self.test_setup, self.install) if s)
             installed = await room.run(f"{{ {steps}\n}} >> {log} 2>&1", timeout_s=self.timeout_s)
             details["install_exit_code"] = installed.exit_code
-        restored = await room.run(restore_script(self.restore_ref, self.test_files), timeout_s=300)
+        restored = await room.run(restore_script(self.restore_ref, self.test_files), timeout_s=self.timeout_s)
         if not restored.ok:
             raise GradingSetupError("cannot restore the test files (test_restore_failed)", restored.output)
         if self.test_patch:
