@@ -20,13 +20,16 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from patchgym.core.errors import ConfigError
 from patchgym.launch.context import log_dir
 from patchgym.launch.processes import Supervisor
+
+if TYPE_CHECKING:
+    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings
 
 RouterPolicy = Literal["cache_aware", "round_robin", "random", "power_of_two", "none"]
 
@@ -82,9 +85,10 @@ def router_command(urls: Sequence[str], port: int, policy: str, python: str = sy
     return [*command, "--worker-startup-check-interval", "1"]  # register an engine as soon as it is up
 
 
-def plan_group(model: Path, launch: EngineLaunch, *, max_context: int, router: RouterPolicy) -> GroupPlan:
-    """Commands for `launch.engines` servers (and the router unless `router` is none)."""
-    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, server_command, server_env
+def server_settings(model: Path, launch: EngineLaunch, *, max_context: int) -> SGLangLaunchSettings:
+    """The flags every server of the group shares (port, host and GPU are each server's own): the CPU
+    SGLang venv (built if missing) with `cpu_venv`, `launch.python` (or this one) on GPUs."""
+    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings
 
     python, stubs, device = Path(launch.python or sys.executable), None, "cuda"
     if launch.cpu_venv:
@@ -92,10 +96,7 @@ def plan_group(model: Path, launch: EngineLaunch, *, max_context: int, router: R
 
         venv = build_sglang_venv(progress=lambda _: None)
         python, stubs, device = venv_python(venv), stubs_path(venv), "cpu"
-    gpus = launch.gpus if launch.gpus is not None else list(range(launch.engines * launch.tp))
-    if device == "cuda" and len(gpus) < launch.engines * launch.tp:
-        raise ConfigError(f"{launch.engines} engines at tp={launch.tp} need {launch.engines * launch.tp} GPUs")
-    base = SGLangLaunchSettings(
+    return SGLangLaunchSettings(
         model_path=model.resolve(),
         python=python,
         device=device,
@@ -106,6 +107,16 @@ def plan_group(model: Path, launch: EngineLaunch, *, max_context: int, router: R
         stubs_dir=stubs,
         extra_args=(*(["--tp-size", str(launch.tp)] if launch.tp > 1 else []), *launch.extra_args),
     )
+
+
+def plan_group(model: Path, launch: EngineLaunch, *, max_context: int, router: RouterPolicy) -> GroupPlan:
+    """Commands for `launch.engines` servers (and the router unless `router` is none)."""
+    from patchgym.backends.inference.sglang_launch import server_command, server_env
+
+    base = server_settings(model, launch, max_context=max_context)
+    gpus = launch.gpus if launch.gpus is not None else list(range(launch.engines * launch.tp))
+    if base.device == "cuda" and len(gpus) < launch.engines * launch.tp:
+        raise ConfigError(f"{launch.engines} engines at tp={launch.tp} need {launch.engines * launch.tp} GPUs")
     commands, urls = [], []
     for i in range(launch.engines):
         settings = replace(base, base_port=free_port(), gpus=(gpus[i * launch.tp],))
@@ -122,7 +133,8 @@ def plan_group(model: Path, launch: EngineLaunch, *, max_context: int, router: R
     )
 
 
-def _launch_settings(value: Any) -> EngineLaunch:
+def launch_settings(value: Any) -> EngineLaunch:
+    """`launch:` of the sglang backend, checked (a `ConfigError` naming each bad field)."""
     try:
         return EngineLaunch.model_validate(value)
     except ValidationError as exc:
@@ -168,7 +180,7 @@ def sglang_backend(
         return SGLangEngine(workers, router_url=router_url, supervisor=supervisor, **client)
     if model is None:
         raise ConfigError("launching SGLang servers needs the model directory")
-    settings = _launch_settings(launch)
+    settings = launch_settings(launch)
     plan = plan_group(Path(model), settings, max_context=client["max_context"], router=router or "cache_aware")
     supervisor = Supervisor(log_dir("sglang"), stop_grace_s=settings.stop_grace_s)
     try:
