@@ -21,9 +21,11 @@ import ctypes
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +222,8 @@ class LoopbackRayCluster:
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        # Ray's session directories hold unix sockets, whose paths must stay under 108 bytes
+        self.ray_root = Path(tempfile.mkdtemp(prefix="pgray-", dir="/tmp"))
         self.ns = LoopbackNamespace()
 
     @property
@@ -237,7 +241,7 @@ class LoopbackRayCluster:
         head = not self.nodes
         command = [ray, "start", "--block", "--node-ip-address", address, "--resources", json.dumps(resources)]
         command += ["--num-cpus", str(self.num_cpus), "--object-store-memory", str(self.object_store_bytes)]
-        command += ["--disable-usage-stats", "--temp-dir", str(self.root / f"ray-{name}")]
+        command += ["--disable-usage-stats", "--temp-dir", str(self.ray_root / name)]
         if head:
             command += ["--head", "--port", str(self.port), "--include-dashboard=false"]
         else:
@@ -247,29 +251,30 @@ class LoopbackRayCluster:
         node.process = self.ns.popen(command, log=self.root / f"{name}.log", env=self.environ())
         return node
 
-    def wait_nodes(self, alive: int, timeout_s: float = 600.0) -> list[dict[str, Any]]:
-        """Wait until the cluster reports `alive` live nodes; `ray.nodes()` then."""
+    def wait_nodes(self, alive: int, timeout_s: float = 600.0, attempt_s: float = 60.0) -> list[dict[str, Any]]:
+        """Wait until the cluster reports `alive` live nodes; `ray.nodes()` then. A node whose
+        `ray start` exited fails this at once, with its output."""
         probe = (
-            "import json, sys, time, ray\n"
+            "import json, time, ray\n"
             f"ray.init(address={self.address!r}, logging_level='ERROR', log_to_driver=False)\n"
-            f"deadline = time.monotonic() + {timeout_s}\n"
+            f"deadline = time.monotonic() + {attempt_s}\n"
             f"while sum(n['Alive'] for n in ray.nodes()) != {alive} and time.monotonic() < deadline:\n"
             "    time.sleep(1)\n"
             "print(json.dumps(ray.nodes()))\n"
         )
         deadline = time.monotonic() + timeout_s
-        while True:  # the head's GCS may not answer yet
+        nodes: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
             self._check_nodes()
-            try:
-                nodes = json.loads(self.ns.run([sys.executable, "-c", probe], timeout_s=timeout_s, env=self.environ()))
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
+            try:  # the head's GCS may not answer yet
+                out = self.ns.run([sys.executable, "-c", probe], timeout_s=attempt_s * 2, env=self.environ())
+            except (RuntimeError, subprocess.TimeoutExpired):
                 time.sleep(2)
                 continue
+            nodes = json.loads(out)
             if sum(n["Alive"] for n in nodes) == alive:
                 return nodes
-            raise AssertionError(f"expected {alive} live Ray nodes within {timeout_s:.0f} s: {nodes}")
+        raise AssertionError(f"expected {alive} live Ray nodes within {timeout_s:.0f} s: {nodes}")
 
     def _check_nodes(self) -> None:
         for node in self.nodes.values():
@@ -300,6 +305,7 @@ class LoopbackRayCluster:
             if node.process is not None:
                 node.process.wait()
         self.ns.close()
+        shutil.rmtree(self.ray_root, ignore_errors=True)
         return killed
 
 

@@ -67,6 +67,9 @@ class ClusterSettings(BaseModel):
     unreachable_s: float = Field(
         30.0, gt=0, description="an actor unreachable this long counts as dead (Ray may declare it dead sooner)"
     )
+    check_timeout_s: float = Field(
+        10.0, gt=0, description="how long a liveness check (before each weight sync, after a failed call) waits"
+    )
 
     def actor_env(self) -> dict[str, str]:
         """The environment every rank and engine gets: the pinned interfaces, then `env`."""

@@ -57,9 +57,9 @@ def redirect_output(path: str) -> None:
     os.close(fd)
 
 
-@dataclass
+@dataclass(eq=False)
 class Member:
-    """One actor of a role: where it runs and, once it is gone, why."""
+    """One actor of a role: where it runs and, once it is gone, why (compared by identity)."""
 
     name: str
     actor: Any
@@ -70,6 +70,7 @@ class Member:
     pid: int = 0
     death: str | None = None
     unreachable_since: float | None = None
+    unreachable: str = ""
     poll_ref: Any = field(default=None, repr=False)
 
     def describe(self) -> str:
@@ -85,55 +86,70 @@ def _first_line(exc: BaseException) -> str:
 class PlacedRole:
     """The actors of one role in their placement group: reports the dead ones, stops them all."""
 
-    def __init__(self, placement: RolePlacement, group: Any, members: list[Member], *, unreachable_s: float) -> None:
+    def __init__(self, placement: RolePlacement, group: Any, members: list[Member], settings: ClusterSettings) -> None:
         self.placement = placement
         self.group = group
         self.members = members
-        self.unreachable_s = unreachable_s
+        self.unreachable_s = settings.unreachable_s
+        self.check_s = settings.check_timeout_s
         self.stopping = False
 
     @property
     def children(self) -> list[Member]:
         return self.members
 
-    def _refresh(self, member: Member) -> None:
-        """Collect the member's last poll if it is done; start the next one."""
-        if member.death is not None:
-            return
-        if member.poll_ref is not None:
-            ready, _ = ray.wait([member.poll_ref], timeout=0)
-            if not ready:
-                return
-            try:
-                problem = ray.get(member.poll_ref)
-            except ray.exceptions.ActorUnavailableError as exc:
-                # Unreachable: its node or process may be gone, or the network hiccupped; Ray
-                # declares it dead after its own health checks, or we do after unreachable_s.
-                member.unreachable_since = member.unreachable_since or time.monotonic()
-                if time.monotonic() - member.unreachable_since >= self.unreachable_s:
-                    member.death = f"has been unreachable for {self.unreachable_s:.0f} s ({_first_line(exc)})"
-            except ray.exceptions.RayActorError as exc:
-                member.death = f"died ({_first_line(exc)})"
-            except ray.exceptions.RayError as exc:
-                member.death = f"failed ({_first_line(exc)})"
-            else:
-                member.unreachable_since = None
-                member.death = problem
-            if member.death is not None:
-                return
-        member.poll_ref = member.actor.poll.remote()
+    def _collect(self, member: Member) -> None:
+        """Read the member's finished poll into its state."""
+        try:
+            problem = ray.get(member.poll_ref)
+        except ray.exceptions.ActorUnavailableError as exc:
+            # its node or process may be gone, or the network hiccupped: see _verdict
+            member.unreachable_since = member.unreachable_since or time.monotonic()
+            member.unreachable = _first_line(exc)
+        except ray.exceptions.RayActorError as exc:
+            member.death = f"died ({_first_line(exc)})"
+        except ray.exceptions.RayError as exc:
+            member.death = f"failed ({_first_line(exc)})"
+        else:
+            member.unreachable_since = None
+            member.death = problem
+        member.poll_ref = None
 
-    def dead(self) -> list[Member]:
-        """Members whose process or node is gone (none once the role is being stopped)."""
+    def _verdict(self, member: Member, alive_nodes: set[str], strict: bool) -> None:
+        """An unreachable member is dead once Ray marks its node dead, or after `unreachable_s`
+        (at once when `strict`: a call to it has just failed)."""
+        if member.death is not None or member.unreachable_since is None:
+            return
+        waited = time.monotonic() - member.unreachable_since
+        if member.node_id not in alive_nodes:
+            member.death = f"lost its node: Ray marked node {member.address} dead ({member.unreachable})"
+        elif strict or waited >= self.unreachable_s:
+            member.death = f"has been unreachable for {waited:.0f} s ({member.unreachable})"
+
+    def dead(self, *, wait_s: float = 0.0, strict: bool = False) -> list[Member]:
+        """Members whose process or node is gone (none once the role is being stopped): each live
+        member is asked once more, and its answer read if it comes within `wait_s`."""
         if self.stopping:
             return []
-        for member in self.members:
-            self._refresh(member)
+        live = [m for m in self.members if m.death is None]
+        for member in live:
+            if member.poll_ref is None:
+                member.poll_ref = member.actor.poll.remote()
+        if live:
+            ready, _ = ray.wait([m.poll_ref for m in live], num_returns=len(live), timeout=wait_s)
+            for member in live:
+                if member.poll_ref in ready:
+                    self._collect(member)
+        if any(m.unreachable_since is not None and m.death is None for m in live):
+            alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            for member in live:
+                self._verdict(member, alive_nodes, strict)
         return [m for m in self.members if m.death is not None]
 
     def check(self) -> None:
-        """Raise `ProcessDiedError` naming the first dead member, if any."""
-        dead = self.dead()
+        """After a failed call or before one that needs every member (the weight sync): a fresh answer
+        from each member within `check_s`; one that is gone or unreachable is a `ProcessDiedError`."""
+        dead = self.dead(wait_s=self.check_s, strict=True)
         if dead:
             raise ProcessDiedError(dead[0].describe())
 

@@ -24,7 +24,7 @@ import ray
 
 from patchgym.launch.context import log_dir
 from patchgym.launch.engines import free_port, launch_settings, server_settings, sglang_backend
-from patchgym.launch.processes import ProcessDiedError, Supervisor
+from patchgym.launch.processes import Supervisor
 from patchgym.launch.ray_cluster import Member, PlacedRole, RayCluster, check_paths, node_address, redirect_output
 
 NOSET_VARIABLES = (
@@ -99,9 +99,10 @@ class RayEngineGroup:
         return [*self.engines.dead(), *(self.router.dead() if self.router is not None else [])]
 
     def check(self) -> None:
-        dead = self.dead()
-        if dead:
-            raise ProcessDiedError(dead[0].describe())
+        """Raise `ProcessDiedError` naming a gone engine (asked afresh) or a dead router."""
+        self.engines.check()
+        if self.router is not None:
+            self.router.check()
 
     def stop(self) -> None:
         """The router, then each engine's server (bounded), then the actors and their placement group."""
@@ -134,7 +135,7 @@ def ray_sglang(
         logs.mkdir(parents=True, exist_ok=True)
         actor = remote.options(**cluster.actor_options(role, group, i)).remote(name, str(logs), [str(model), str(logs)])
         members.append(Member(name, actor, i, nodes[i], addresses.get(nodes[i], "?"), str(logs / f"{name}.log")))
-    placed = PlacedRole(role, group, members, unreachable_s=cluster.settings_.unreachable_s)
+    placed = PlacedRole(role, group, members, cluster.settings_)
     cluster.roles["engines"] = placed
     try:
         infos = cluster.wait([m.actor.node.remote() for m in members], "the SGLang engines' actors")

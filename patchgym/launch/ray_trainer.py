@@ -134,7 +134,7 @@ class RayTrainer:
         try:
             return await ref
         except ray.exceptions.RayActorError as exc:
-            dead = self.ranks.dead()
+            dead = self.ranks.dead(wait_s=self.ranks.check_s, strict=True)
             who = dead[0].describe() if dead else f"{self.rank0.describe()}: {exc}"
             raise ProcessDiedError(f"a trainer rank is gone: {who}") from None
 
@@ -211,7 +211,7 @@ def ray_megatron(cluster: RayCluster, model: str | Path, **options: Any) -> RayT
         name, log = f"trainer-rank-{rank}", str(logs / f"trainer-rank-{rank}.log")
         actor = remote.options(**cluster.actor_options(role, group, bundle)).remote(name, log, [str(model), str(logs)])
         members.append(Member(name, actor, bundle, nodes[bundle], addresses.get(nodes[bundle], "?"), log))
-    placed = PlacedRole(role, group, members, unreachable_s=cluster.settings_.unreachable_s)
+    placed = PlacedRole(role, group, members, cluster.settings_)
     cluster.roles["trainer"] = placed
     try:
         infos = cluster.wait([m.actor.node.remote() for m in members], "the trainer ranks' actors")
