@@ -78,9 +78,11 @@ class Member:
         return f"{self.name} ({where}) {self.death or 'is running'}; log {self.log}"
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    """The exception's type and first line, cut to `limit` characters (Ray's messages run long)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class PlacedRole:
@@ -123,8 +125,10 @@ class PlacedRole:
         waited = time.monotonic() - member.unreachable_since
         if member.node_id not in alive_nodes:
             member.death = f"lost its node: Ray marked node {member.address} dead ({member.unreachable})"
-        elif strict or waited >= self.unreachable_s:
-            member.death = f"has been unreachable for {waited:.0f} s ({member.unreachable})"
+        elif strict:
+            member.death = f"does not answer ({member.unreachable})"
+        elif waited >= self.unreachable_s:
+            member.death = f"has not answered for {waited:.0f} s ({member.unreachable})"
 
     def dead(self, *, wait_s: float = 0.0, strict: bool = False) -> list[Member]:
         """Members whose process or node is gone (none once the role is being stopped): each live
