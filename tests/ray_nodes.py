@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.test_launch import descendants
+
 CLONE_NEWNET = 0x40000000
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -182,23 +184,6 @@ def in_loopback(address: str) -> bool:
     return ipaddress.ip_address(host.strip("[]")) in ipaddress.ip_network("127.0.0.0/8")
 
 
-def descendants(pid: int) -> set[int]:
-    """`pid` and every process below it now."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = {pid}, [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
 @dataclass
 class RayNode:
     name: str
@@ -286,7 +271,7 @@ class LoopbackRayCluster:
         """SIGKILL a node's processes (its `ray start`, raylet, agents, workers and what they started)."""
         node = self.nodes[name]
         assert node.process is not None
-        victims = descendants(node.process.pid)
+        victims = {node.process.pid} | descendants(node.process.pid)
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -6,14 +6,18 @@ engine, which serves on its node's address. `patchgym run` (the driver: rollout 
 sandboxes, the SGLang router) joins the cluster from the head. The run does SFT and GRPO steps
 with the weights broadcast from trainer rank 0 on node1 to the engine on node2 and checked by
 probe log-probs; every address Ray, the engine and the weight group advertise is asserted to lie
-in 127.0.0.0/8, and every listening socket of the namespace to be loopback. Then node2's
-processes are SIGKILLed mid-GRPO: the run stops with an error naming the engine and its node,
-within a bound; node2 is started again and `patchgym run --resume` finishes the run.
+in 127.0.0.0/8, and every listening socket of the namespace to be loopback. Then, each time
+within a bound and with an error naming what died and where: node2's processes are SIGKILLed
+mid-GRPO and the run stops; node2 is started again, `--resume` continues, and trainer rank 1's
+process is SIGKILLed; the next `--resume` finishes the run. First, a role the cluster cannot
+place fails within `start_timeout_s`, listing the cluster's resources.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,14 +29,14 @@ import yaml
 from patchgym.core.metrics import read_events
 from tests.pipeline_support import check_grpo_accounting, merged
 from tests.ray_nodes import LoopbackRayCluster, in_loopback, loopback_or_wildcard
-from tests.test_launch import wait_for_event
-from tests.test_production_stack import CONFIG, SYNC_TOLERANCE
+from tests.test_launch import wait_gone
+from tests.test_production_stack import SYNC_TOLERANCE, stack_config
 from tests.test_sglang import require_sglang_venv
 
 pytestmark = [pytest.mark.timeout(3600), pytest.mark.usefixtures("train_extra")]
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 3
+STEPS = 4
 NODE1, NODE2 = "127.0.0.2", "127.0.0.3"
 STOP_BOUND_S = 240.0
 """How long the run may take to stop after node2 dies (Ray's unreachable/dead verdict, then a clean
@@ -40,37 +44,20 @@ stop of the trainer ranks and the router) on a busy 2-core machine."""
 
 
 def cluster_config(tmp_path: Path, address: str) -> Path:
-    """The shipped production-stack config at CI sizes, on the cluster: TP=2 on node1, one CPU engine on node2."""
-    config = yaml.safe_load(CONFIG.read_text())
-    cache = str(tmp_path / "cache")
-    small = {
-        "run_dir": str(tmp_path / "run"),
-        "tasks": {
-            "train": {"options": {"count": 4, "cache_dir": cache}},
-            "eval": {"options": {"count": 2, "cache_dir": cache}},
-        },
-        "sandbox": {"options": {"isolation": "none"}},
-        "inference": {"options": {"concurrency": 4, "launch": {"engines": 1, "max_total_tokens": 8192}}},
-        "trainer": {"options": {"tp": 2, "micro_batch_tokens": 2048, "warmup_steps": 0, "timeout_s": 300}},
-        "env": {"max_turns": 2},
-        "agent": {"max_new_tokens_per_turn": 16, "max_tokens_per_trajectory": 512},
-        "sft": {"epochs": 1, "batch_size": 4},
-        "grpo": {"steps": STEPS, "rollout": {"group_size": 2, "batch_groups": 1, "concurrency": 4}},
-        "eval": {"attempts": 1, "concurrency": 4},
-        "checkpoint_every": 1,
-        "verify_sync_tolerance": SYNC_TOLERANCE,
-        "cluster": {
-            "backend": "ray",
-            "address": address,
-            "gloo_socket_ifname": "lo",
-            "nccl_socket_ifname": "lo",
-            "trainer": {"num_cpus": 1, "num_gpus": 0, "resources": {"node1": 1}},
-            "engines": {"num_cpus": 1, "num_gpus": 0, "resources": {"node2": 1}},
-            "start_timeout_s": 900,
-        },
+    """The production-stack test's config (TP=2, CI sizes) with one CPU engine, on the cluster:
+    both ranks on node1, the engine on node2, gloo and NCCL pinned to loopback."""
+    path, _ = stack_config(tmp_path, STEPS)
+    cluster = {
+        "backend": "ray",
+        "address": address,
+        "gloo_socket_ifname": "lo",
+        "nccl_socket_ifname": "lo",
+        "trainer": {"num_cpus": 1, "num_gpus": 0, "resources": {"node1": 1}},
+        "engines": {"num_cpus": 1, "num_gpus": 0, "resources": {"node2": 1}},
+        "start_timeout_s": 900,
     }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(merged(config, small)))
+    changes = {"inference": {"options": {"launch": {"engines": 1}}}, "cluster": cluster}
+    path.write_text(yaml.safe_dump(merged(yaml.safe_load(path.read_text()), changes)))
     return path
 
 
@@ -111,7 +98,31 @@ def check_syncs(run_dir: Path) -> list[dict[str, Any]]:
     return syncs
 
 
-def test_two_node_ray_cluster_trains_and_a_dead_node_stops_the_run_then_resume_finishes(tmp_path: Path) -> None:
+def wait_for_events(run_dir: Path, kind: str, count: int, process: Any, bound_s: float = 2400.0) -> list[dict]:
+    """The run's `kind` events once there are `count` of them (the running `process` must not exit first)."""
+    deadline = time.monotonic() + bound_s
+    while len(events := read_events(run_dir, kind) if (run_dir / "events.jsonl").exists() else []) < count:
+        assert process.poll() is None, f"the run exited ({process.returncode}) before {count} {kind} events"
+        assert time.monotonic() < deadline, f"fewer than {count} {kind} events within {bound_s:.0f} s"
+        time.sleep(0.5)
+    return events
+
+
+def stopped(process: Any, log: Path, *names: str) -> str:
+    """The run `process` exits within STOP_BOUND_S, failing, with an error naming each of `names`."""
+    process.wait(STOP_BOUND_S)
+    output = log.read_text()
+    assert process.returncode != 0, output[-4000:]
+    assert all(name in output for name in names), output[-4000:]
+    return output
+
+
+def live_nodes(cluster: LoopbackRayCluster) -> dict[str, str]:
+    """Node address -> node id of the live nodes, once both are up."""
+    return {n["NodeManagerAddress"]: n["NodeID"] for n in cluster.wait_nodes(2) if n["Alive"]}
+
+
+def test_two_node_ray_cluster_trains_and_stops_on_a_dead_node_or_rank_then_resume_finishes(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     pytest.importorskip("megatron.core")
     require_sglang_venv()
@@ -121,46 +132,62 @@ def test_two_node_ray_cluster_trains_and_a_dead_node_stops_the_run_then_resume_f
         cluster.start_node("node1", NODE1, {"node1": 2})
         cluster.wait_nodes(1)
         cluster.start_node("node2", NODE2, {"node2": 1})
-        nodes = cluster.wait_nodes(2)
-        node_ids = {n["NodeManagerAddress"]: n["NodeID"] for n in nodes if n["Alive"]}
+        node_ids = live_nodes(cluster)
         assert set(node_ids) == {NODE1, NODE2}
         print(f"cluster up in {time.monotonic() - started:.0f} s")
-
-        # -- the run: SFT and GRPO across the nodes, then node2 dies mid-GRPO ---------------------------
         config = cluster_config(tmp_path, cluster.address)
         run_dir = tmp_path / "run"
+
+        # -- a role the cluster cannot place is a clear error within start_timeout_s -------------------
+        unplaceable = tmp_path / "unplaceable.yaml"
+        changes = {"run_dir": str(tmp_path / "unplaceable"), "cluster": {"engines": {"resources": {"node3": 1}}}}
+        changes["cluster"]["start_timeout_s"] = 20
+        unplaceable.write_text(yaml.safe_dump(merged(yaml.safe_load(config.read_text()), changes)))
+        log = tmp_path / "unplaceable.log"
+        stopped(run(cluster, log, str(unplaceable)), log, "could not place the engines", "node3", "node1: 2")
+
+        # -- the run: SFT and GRPO across the nodes, then node2 dies mid-GRPO ---------------------------
         first = run(cluster, tmp_path / "first.log", str(config))
-        launch = wait_for_event(run_dir, "launch", first)
+        (launch,) = wait_for_events(run_dir, "launch", 1, first)
         check_addresses(launch, node_ids)
-        wait_for_event(run_dir, "step", first)
+        wait_for_events(run_dir, "step", 1, first)
         assert cluster.ns.interfaces() == ["lo"]
         listening = cluster.ns.listening()
         assert listening and all(loopback_or_wildcard(a) for a in listening), listening
         check_syncs(run_dir)
         print(f"first GRPO step {time.monotonic() - started:.0f} s after the start")
-
         killed_at = time.monotonic()
         cluster.kill_node("node2")
-        first.wait(STOP_BOUND_S)
-        stop_s = time.monotonic() - killed_at
-        output = (tmp_path / "first.log").read_text()
-        assert first.returncode != 0, output[-4000:]
-        assert "sglang-engine-0" in output and NODE2 in output, output[-4000:]
-        stopped_at = json.loads((run_dir / "state.json").read_text())["grpo_step"]
-        assert 1 <= stopped_at < STEPS
-        print(f"the run stopped {stop_s:.0f} s after node2 was killed")
+        stopped(first, tmp_path / "first.log", "sglang-engine-0", NODE2)
+        print(f"the run stopped {time.monotonic() - killed_at:.0f} s after node2 was killed")
+        steps_done = json.loads((run_dir / "state.json").read_text())["grpo_step"]
+        assert 1 <= steps_done < STEPS - 1
 
-        # -- node2 back, --resume finishes ------------------------------------------------------------
+        # -- node2 back: --resume continues; then trainer rank 1's process dies -------------------------
         cluster.start_node("node2", NODE2, {"node2": 1})
-        nodes = cluster.wait_nodes(2)
-        node_ids = {n["NodeManagerAddress"]: n["NodeID"] for n in nodes if n["Alive"]}  # node2 has a new id
-        resumed = run(cluster, tmp_path / "resume.log", "--resume", str(run_dir))
-        resumed.wait(2400)
-        assert resumed.returncode == 0, (tmp_path / "resume.log").read_text()[-4000:]
+        node_ids = live_nodes(cluster)  # node2 has a new id
+        second = run(cluster, tmp_path / "second.log", "--resume", str(run_dir))
+        launch = wait_for_events(run_dir, "launch", 2, second)[-1]
+        check_addresses(launch, node_ids)
+        wait_for_events(run_dir, "step", steps_done + 1, second)
+        ranks = launch["cluster"]["actors"]["trainer"]
+        server = json.loads((run_dir / "logs/sglang-engine-0/processes.json").read_text())["children"][0]["pid"]
+        run_pids = [*(r["pid"] for r in ranks), launch["cluster"]["actors"]["engines"][0]["pid"], server]
+        killed_at = time.monotonic()
+        os.kill(ranks[1]["pid"], signal.SIGKILL)
+        stopped(second, tmp_path / "second.log", "trainer-rank-1", NODE1)
+        print(f"the run stopped {time.monotonic() - killed_at:.0f} s after trainer rank 1 was killed")
+        assert wait_gone(run_pids) == [], "Ray ends the actors (and the engine's server) of a driver that exited"
+
+        # -- --resume finishes --------------------------------------------------------------------------
+        last = run(cluster, tmp_path / "last.log", "--resume", str(run_dir))
+        last.wait(2400)
+        assert last.returncode == 0, (tmp_path / "last.log").read_text()[-4000:]
         check_grpo_accounting(run_dir, steps=STEPS)
+        # (a resume drops the events after the last checkpoint: the killed run's launch may be gone)
         launches = read_events(run_dir, "launch")
-        assert len(launches) == 2
-        check_addresses(launches[1], node_ids)
+        assert len(launches) >= 2
+        check_addresses(launches[-1], node_ids)
         syncs = check_syncs(run_dir)
         assert syncs[-1]["version"] == STEPS + 1  # after SFT, then after every GRPO step
         print(f"whole test {time.monotonic() - started:.0f} s")

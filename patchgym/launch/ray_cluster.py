@@ -10,12 +10,14 @@ and logs are written there) and sends its own output to `RUN_DIR/logs/<part>/`.
 
 A role is watched by polling each actor (`poll()`, answered at once by a live actor): an actor
 whose process exits or whose node dies stops answering, and is reported with its node, pid and
-log (`PlacedRole.dead`). An actor that is unreachable but not yet declared dead by Ray counts
-as dead after `cluster.unreachable_s`. Nothing here is imported without `cluster:`.
+log (`PlacedRole.dead`). An actor that is unreachable counts as dead once Ray marks its node
+dead, after `cluster.unreachable_s`, or at once when a call to it has just failed (`check`).
+Nothing here is imported without `cluster:`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -183,30 +185,35 @@ class RayCluster:
     """The run's connection to a Ray cluster; places the roles of `placement` (see the module docstring)."""
 
     def __init__(self, settings: ClusterSettings, placement: RayPlacement) -> None:
-        self.settings_ = settings
+        self.config = settings
         self.placement = placement
         self.roles: dict[str, PlacedRole] = {}
-        self.engine_urls: list[str] = []
         # Ray's own logging goes to the run's library.log (stderr there); actors' output to their log files.
-        ray.init(
-            address=settings.address,
-            namespace=settings.namespace,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            configure_logging=False,
-        )
+        try:
+            ray.init(
+                address=settings.address,
+                namespace=settings.namespace,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+                configure_logging=False,
+            )
+        except ConnectionError as exc:
+            raise TransportError(
+                f"cannot join the Ray cluster at cluster.address={settings.address!r} ({exc}): run patchgym on a "
+                "node of a running cluster (ray start --head, or ray start --address HEAD:PORT)"
+            ) from None
 
     # -- placing a role ------------------------------------------------------------------------
     def place(self, role: RolePlacement) -> tuple[Any, list[str]]:
         """A placement group for `role`, once Ray has placed it; and the node id of each bundle."""
         group = placement_group(role.bundles(), strategy=role.strategy)
         try:
-            ray.get(group.ready(), timeout=self.settings_.start_timeout_s)
+            ray.get(group.ready(), timeout=self.config.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(group)
             raise TransportError(
                 f"Ray could not place the {role.role} ({role.count} x {dict(role.bundle)}, {role.strategy}) within "
-                f"cluster.start_timeout_s={self.settings_.start_timeout_s:.0f} s; the cluster has "
+                f"cluster.start_timeout_s={self.config.start_timeout_s:.0f} s; the cluster has "
                 f"{_resources(ray.cluster_resources())}, of which {_resources(ray.available_resources())} are free: "
                 f"start nodes with those resources (ray start --resources ...) or change cluster.{role.role}"
             ) from None
@@ -232,10 +239,10 @@ class RayCluster:
     def wait(self, refs: Sequence[Any], what: str) -> list[Any]:
         """`ray.get(refs)` within `start_timeout_s`, as a clear error otherwise."""
         try:
-            return ray.get(list(refs), timeout=self.settings_.start_timeout_s)
+            return ray.get(list(refs), timeout=self.config.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TransportError(
-                f"{what} did not answer within cluster.start_timeout_s={self.settings_.start_timeout_s:.0f} s"
+                f"{what} did not answer within cluster.start_timeout_s={self.config.start_timeout_s:.0f} s"
             ) from None
         except ray.exceptions.RayActorError as exc:  # e.g. an actor refused its node in __init__
             raise ProcessDiedError(f"{what} could not start: {exc}") from None
@@ -265,7 +272,7 @@ class RayCluster:
             for n in ray.nodes()
         ]
         return {
-            **self.settings_.model_dump(),
+            **self.config.model_dump(),
             "gcs_address": ray.get_runtime_context().gcs_address,
             "driver_address": node_address(),
             "placement": self.placement.as_dict(),
@@ -275,9 +282,13 @@ class RayCluster:
 
     async def aclose(self) -> None:
         """Disconnect; Ray then ends every actor this driver started (the parts stop theirs first)."""
-        for role in self.roles.values():
-            role.stop()
-        ray.shutdown()
+
+        def close() -> None:
+            for role in self.roles.values():
+                role.stop()
+            ray.shutdown()
+
+        await asyncio.to_thread(close)
 
 
 def _resources(values: dict[str, float]) -> str:

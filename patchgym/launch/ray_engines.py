@@ -135,7 +135,7 @@ def ray_sglang(
         logs.mkdir(parents=True, exist_ok=True)
         actor = remote.options(**cluster.actor_options(role, group, i)).remote(name, str(logs), [str(model), str(logs)])
         members.append(Member(name, actor, i, nodes[i], addresses.get(nodes[i], "?"), str(logs / f"{name}.log")))
-    placed = PlacedRole(role, group, members, cluster.settings_)
+    placed = PlacedRole(role, group, members, cluster.config)
     cluster.roles["engines"] = placed
     try:
         infos = cluster.wait([m.actor.node.remote() for m in members], "the SGLang engines' actors")
@@ -148,7 +148,7 @@ def ray_sglang(
     except BaseException:
         placed.stop()
         raise
-    engine.supervisor = RayEngineGroup(placed, engine.supervisor, cluster.settings_.stop_timeout_s)
+    engine.supervisor = RayEngineGroup(placed, engine.supervisor, cluster.config.stop_timeout_s)
     engine.ranks_per_engine = [settings.tp] * role.count
     engine.start_timeout_s = settings.health_timeout_s
     engine.launch = settings.model_dump()

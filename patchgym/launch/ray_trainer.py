@@ -187,7 +187,7 @@ class RayTrainer:
 
     async def aclose(self) -> None:
         """Rank 0 releases the followers (bounded), then every rank's actor is killed."""
-        stop_s = self.cluster.settings_.stop_timeout_s
+        stop_s = self.cluster.config.stop_timeout_s
         if self.fatal() is None and self._settings:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
                 await asyncio.wait_for(self.rank0.actor.close.remote(), stop_s)
@@ -211,7 +211,7 @@ def ray_megatron(cluster: RayCluster, model: str | Path, **options: Any) -> RayT
         name, log = f"trainer-rank-{rank}", str(logs / f"trainer-rank-{rank}.log")
         actor = remote.options(**cluster.actor_options(role, group, bundle)).remote(name, log, [str(model), str(logs)])
         members.append(Member(name, actor, bundle, nodes[bundle], addresses.get(nodes[bundle], "?"), log))
-    placed = PlacedRole(role, group, members, cluster.settings_)
+    placed = PlacedRole(role, group, members, cluster.config)
     cluster.roles["trainer"] = placed
     try:
         infos = cluster.wait([m.actor.node.remote() for m in members], "the trainer ranks' actors")
