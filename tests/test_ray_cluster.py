@@ -164,6 +164,7 @@ def test_two_node_ray_cluster_trains_and_stops_on_a_dead_node_or_rank_then_resum
         assert 1 <= steps_done < STEPS - 1
 
         # -- node2 back: --resume continues; then trainer rank 1's process dies -------------------------
+        cluster.wait_nodes(1)  # Ray has marked the killed node dead (the run may stop before it does)
         cluster.start_node("node2", NODE2, {"node2": 1})
         node_ids = live_nodes(cluster)  # node2 has a new id
         second = run(cluster, tmp_path / "second.log", "--resume", str(run_dir))
