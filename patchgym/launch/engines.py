@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -31,6 +31,9 @@ from patchgym.core.errors import ConfigError
 from patchgym.launch.context import log_dir
 from patchgym.launch.plan import ProcessPlan, Where
 from patchgym.launch.processes import Supervisor
+
+if TYPE_CHECKING:
+    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings
 
 RouterPolicy = Literal["cache_aware", "round_robin", "random", "power_of_two", "none"]
 CACHE_AWARE_BALANCE = {"balance_abs_threshold": 2, "balance_rel_threshold": 1.2}
@@ -151,6 +154,32 @@ def engine_runtime(launch: EngineLaunch, *, build: bool) -> EngineRuntime:
     return EngineRuntime(venv_python(venv), "cpu", stubs_path(venv), ready=is_ready(venv))
 
 
+def server_settings(
+    model: Path, launch: EngineLaunch, *, max_context: int, runtime: EngineRuntime
+) -> SGLangLaunchSettings:
+    """The flags every server of the group shares (its port, host and GPU are each server's own)."""
+    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings
+
+    return SGLangLaunchSettings(
+        model_path=model.resolve(),
+        python=runtime.python,
+        device=runtime.device,
+        context_length=launch.context_length or max_context,
+        mem_fraction_static=launch.mem_fraction_static if runtime.device == "cuda" else None,
+        max_total_tokens=launch.max_total_tokens or (16384 if runtime.device == "cpu" else None),
+        dtype=launch.dtype,
+        stubs_dir=runtime.stubs,
+        extra_args=(*(["--tp-size", str(launch.tp)] if launch.tp > 1 else []), *launch.extra_args),
+    )
+
+
+def server_environment(settings: SGLangLaunchSettings, launch: EngineLaunch) -> dict[str, str]:
+    """What a server adds to the environment it inherits: its own variables, then `launch.env`."""
+    from patchgym.backends.inference.sglang_launch import server_env_changes
+
+    return {**server_env_changes(settings), **launch.env}
+
+
 def plan_group(
     model: Path,
     launch: EngineLaunch,
@@ -162,24 +191,14 @@ def plan_group(
     router_options: Mapping[str, Any] | None = None,
 ) -> SGLangPlan:
     """`launch.engines` servers, each on a port from `ports` and its GPUs (and the router unless `router` is none)."""
-    from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, server_command, server_env_changes
+    from patchgym.backends.inference.sglang_launch import server_command
 
     device, tp = runtime.device, launch.tp
     gpus = launch.gpus if launch.gpus is not None else list(range(launch.engines * tp))
     if device == "cuda" and len(gpus) < launch.engines * tp:
         raise ConfigError(f"{launch.engines} engines at tp={tp} need {launch.engines * tp} GPUs")
-    base = SGLangLaunchSettings(
-        model_path=model.resolve(),
-        python=runtime.python,
-        device=device,
-        context_length=launch.context_length or max_context,
-        mem_fraction_static=launch.mem_fraction_static if device == "cuda" else None,
-        max_total_tokens=launch.max_total_tokens or (16384 if device == "cpu" else None),
-        dtype=launch.dtype,
-        stubs_dir=runtime.stubs,
-        extra_args=(*(["--tp-size", str(tp)] if tp > 1 else []), *launch.extra_args),
-    )
-    env = {**server_env_changes(base), **launch.env}
+    base = server_settings(model, launch, max_context=max_context, runtime=runtime)
+    env = server_environment(base, launch)
     engines, urls = [], []
     for i in range(launch.engines):
         settings = replace(base, base_port=ports(), gpus=(gpus[i * tp],))
@@ -198,7 +217,8 @@ def plan_group(
     )
 
 
-def _launch_settings(value: Any) -> EngineLaunch:
+def launch_settings(value: Any) -> EngineLaunch:
+    """`launch:` checked, or a `ConfigError` listing what is wrong."""
     try:
         return EngineLaunch.model_validate(value)
     except ValidationError as exc:
@@ -238,7 +258,7 @@ def plan_sglang(
         return SGLangPlan(workers, front.url if front else None, (front,) if front else ())
     if model is None:
         raise ConfigError("launching SGLang servers needs the model directory")
-    settings = _launch_settings(launch)
+    settings = launch_settings(launch)
     runtime = engine_runtime(settings, build=build)
     return plan_group(
         Path(model), settings, max_context=client["max_context"], router=router or "cache_aware", runtime=runtime,

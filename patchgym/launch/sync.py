@@ -50,6 +50,8 @@ class SyncReport:
     engine_versions: list[int] | None = None
     logprob_gap: float | None = None
     """Max |trainer - engine| log-prob over the probe's tokens and every engine (with `verify`)."""
+    masters: list[str] | None = None
+    """Distributed: where each group met ("address:port" of the trainer rank hosting it)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,7 +135,7 @@ class WeightSync:
                 "hold the trained weights"
             )
         groups = len(weights.groups) if hasattr(weights, "groups") else int(self.mode == "distributed")
-        return SyncReport(version, self.mode, seconds, size, groups, versions, gap)
+        return SyncReport(version, self.mode, seconds, size, groups, versions, gap, _masters(weights))
 
     async def _payload(self, version: int) -> tuple[Any, int]:
         """What `update_weights` takes for this mode, and its size in bytes."""
@@ -169,11 +171,11 @@ class WeightSync:
             sizes = {name: _numel(shape) * _itemsize(dtype) for name, dtype, shape in tensors}
             size += sum(sizes.values())
             cut = split_buckets(sizes, self.engine.weight_bucket_bytes)
-            name, port = f"patchgym_weights_v{version}_stage{stage}", free_port()
-            groups.append(WeightGroup(name, "127.0.0.1", port, tensors, cut))
+            name, (address, port) = f"patchgym_weights_v{version}_stage{stage}", await self._endpoint(stage)
+            groups.append(WeightGroup(name, address, port, tensors, cut))
             settings.append(
                 {
-                    "master_address": "127.0.0.1",
+                    "master_address": address,
                     "master_port": port,
                     "world_size": world_size,
                     "backend": backend,
@@ -185,9 +187,25 @@ class WeightSync:
         send = functools.partial(self.trainer.broadcast_weights, settings, buckets)
         return StagedWeights(groups, send, backend), size
 
+    async def _endpoint(self, stage: int) -> tuple[str, int]:
+        """Where stage `stage`'s group meets: where the trainer says (its ranks on other nodes: the
+        stage leader's node), else on this machine's loopback."""
+        endpoint = getattr(self.trainer, "weight_group_endpoint", None)
+        return await endpoint(stage) if endpoint is not None else ("127.0.0.1", free_port())
+
     async def _gap(self) -> float:
         """Max |trainer - engine| log-prob of the probe's tokens (temperature 1), over every engine."""
         sample = Sample(self.probe, [0] + [1] * (len(self.probe) - 1))
         (mine,) = await self.trainer.logprobs(TrainBatch([sample], temperature=1.0))
         rows = await self.engine.prompt_logprobs(self.probe)
         return max(abs(a - b) for row in rows for a, b in zip(mine[1:], row[1:], strict=True))
+
+
+def _masters(weights: Any) -> list[str] | None:
+    """ "address:port" of each group a distributed sync formed (None for the other modes)."""
+    groups = getattr(weights, "groups", None)
+    if groups is not None:
+        return [f"{g.master_address}:{g.master_port}" for g in groups]
+    if hasattr(weights, "master_address"):
+        return [f"{weights.master_address}:{weights.master_port}"]
+    return None

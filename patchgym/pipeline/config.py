@@ -11,6 +11,7 @@ from patchgym.core.config import load_yaml
 from patchgym.core.rollout import RolloutConfig
 from patchgym.envs.agent import AgentConfig
 from patchgym.envs.swe import EnvConfig
+from patchgym.launch.cluster import ClusterSettings
 from patchgym.pipeline.traces import TooLong, TraceFormat
 
 
@@ -139,6 +140,25 @@ class RunConfig(_Strict):
     verify_sync: bool = Field(False, description="after each sync, compare engine and trainer log-probs of a probe")
     verify_sync_tolerance: float = Field(1e-4, gt=0, description="largest probe log-prob gap verify_sync accepts")
     metrics: MetricsConfig = MetricsConfig()
+    cluster: ClusterSettings | None = Field(
+        None, description="run trainer ranks and engines on a Ray cluster (patchgym.launch.cluster); none: this machine"
+    )
+
+    @model_validator(mode="after")
+    def _cluster_parts(self) -> RunConfig:
+        if self.cluster is None:
+            return self
+        if (self.trainer.name, self.inference.name) != ("megatron", "sglang"):
+            raise ValueError(
+                f"cluster: ray places megatron trainer ranks and sglang engines, not trainer {self.trainer.name!r} "
+                f"and inference {self.inference.name!r}: use trainer: megatron and inference: sglang, or drop cluster"
+            )
+        if self.weight_sync == "tensor":
+            raise ValueError(
+                "weight_sync: tensor shares memory with engines on the driver's machine; under cluster: use "
+                "distributed (auto) or disk"
+            )
+        return self
 
     @model_validator(mode="after")
     def _grpo_samples(self) -> RunConfig:

@@ -43,6 +43,7 @@ from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
 from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
+from patchgym.launch.cluster import plan_placement
 from patchgym.launch.context import run_logs
 from patchgym.launch.lifecycle import close_parts, start_parts, watched
 from patchgym.launch.ranks import follow_torchrun, torchrun_follower
@@ -72,6 +73,8 @@ def check_parts(config: RunConfig) -> None:
     reg.check("sandbox", config.sandbox.name, config.sandbox.options)
     reg.check("trainer", config.trainer.name, {**model, **config.trainer.options})
     reg.check("inference", config.inference.name, {**model, **config.inference.options})
+    if config.cluster is not None:
+        plan_placement(config.cluster, config.trainer.options, config.inference.options)
 
 
 def check_files(config: RunConfig) -> None:
@@ -166,6 +169,7 @@ class Pipeline:
         self.engine: Any = None
         self.trainer: Any = None
         self.backend: Any = None
+        self.cluster: Any = None
         self.log: EventLog | None = None
 
     # -- set-up ----------------------------------------------------------------------------
@@ -217,8 +221,16 @@ class Pipeline:
             self.log.emit("run", event="reaped", sandboxes=reaped)
         # Engines start first and come up while the trainer ranks meet and build the model.
         with run_logs(self.run_dir):
-            self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
-            self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
+            if c.cluster is not None:  # trainer ranks and engines as Ray actors (Ray is imported only here)
+                from patchgym.launch.ray_cluster import RayCluster
+
+                placement = plan_placement(c.cluster, c.trainer.options, c.inference.options)
+                self.cluster = RayCluster(c.cluster, placement)
+                self.engine = self.cluster.sglang(model_path, **c.inference.options)
+                self.trainer = self.cluster.megatron(model_path, **c.trainer.options)
+            else:
+                self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
+                self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
         await start_parts([self.engine, self.trainer])
         self.weight_sync = WeightSync(
             self.trainer,
@@ -237,7 +249,8 @@ class Pipeline:
             await self._sync_weights(self.state.version)
 
     def _parts(self) -> dict[str, Any]:
-        return {"inference": self.engine, "trainer": self.trainer, "sandbox": self.backend}
+        parts = {"inference": self.engine, "trainer": self.trainer, "sandbox": self.backend}
+        return {**parts, "cluster": self.cluster} if self.cluster is not None else parts  # the cluster closes last
 
     async def aclose(self) -> None:
         """Stop everything that was started (servers, ranks, sandboxes), also after a failed set-up."""
