@@ -97,6 +97,21 @@ def test_the_issue_hides_where_and_only_grep_shows_it(tmp_path: Path) -> None:
     assert len({line for line, _ in places}) >= 8 and len({module for _, module in places}) >= 5
 
 
+def test_the_issue_names_the_function_in_the_tokens_grep_needs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The name follows a space in the issue as in `grep -n NAME`, so the tiny model's byte-level BPE
+    cuts it into the same tokens in both and the policy can copy it (`\`name\`` came out as other tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for task in locate_task_set(24, 0, "train", str(tmp_path)):
+        name = oracle_turns(task)[0].split()[2]
+        grep = tokenizer.encode(f"grep -n {name} *.py", add_special_tokens=False)
+        issue = tokenizer.encode(task.instruction, add_special_tokens=False)
+        named = tokenizer.encode(f" {name}", add_special_tokens=False)
+        assert any(grep[i : i + len(named)] == named for i in range(len(grep))), name
+        assert any(issue[i : i + len(named)] == named for i in range(len(issue))), (name, task.instruction)
+
+
 def test_every_task_validates(tmp_path: Path) -> None:
     """Gold patch (and oracle) → reward 1, empty patch → reward 0, for each task of both splits."""
     tasks = [*locate_task_set(6, 0, "train", str(tmp_path)), *locate_task_set(6, 0, "eval", str(tmp_path))]

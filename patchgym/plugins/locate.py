@@ -28,7 +28,7 @@ from patchgym.plugins.easy import OPERATORS, PARAMS, Function
 from patchgym.plugins.folder import FolderTaskSet
 from patchgym.plugins.generated import SPLIT_SEEDS, generated_task_set
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 NAMES = (
     "scale", "shift", "bump", "grow", "trim", "span", "gain", "lift", "drop", "pad", "tilt", "nudge",
     "boost", "clamp", "fold", "warp", "skew", "twist", "stretch", "sink", "rise", "push", "pull", "bend",
@@ -122,7 +122,8 @@ def _write_task(folder: Path, task_id: str, rng: random.Random) -> Bug:
     (folder / "gold.patch").write_text("".join(diff))
     bug = Bug(target_module, layout[target_module].index(good) + 1, good.name, bad_constant, good.constant)
     (folder / "solution.sh").write_text("\n".join(bug.commands()) + "\n")
-    (folder / "issue.md").write_text(f"`{good.name}` uses {bad_constant} but should use {good.constant}.\n")
+    # The name follows a space, as in `grep -n NAME`: the byte-level BPE then cuts it into the same tokens in both.
+    (folder / "issue.md").write_text(f"The function {good.name} uses {bad_constant} but should use {good.constant}.\n")
     test_id = "tests.test_package.Test{}.test_{}"
     spec = {
         "id": task_id,
