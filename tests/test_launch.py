@@ -27,7 +27,7 @@ from patchgym.core.plugins import registry
 from patchgym.launch.engines import EngineLaunch, engine_runtime, free_port, plan_group, router_command
 from patchgym.launch.lifecycle import close_parts, watched
 from patchgym.launch.processes import ProcessDiedError, Supervisor
-from patchgym.launch.ranks import RankSpec, Rendezvous
+from patchgym.launch.ranks import RankSpec, Rendezvous, plan_ranks
 from patchgym.launch.sync import resolve_mode
 from tests.pipeline_support import check_grpo_accounting, run_config
 
@@ -152,6 +152,24 @@ def test_cache_aware_router_balances_by_default_and_takes_more_flags(tmp_path: P
     assert flag(custom, "--balance-abs-threshold") == "16" and flag(custom, "--cache-threshold") == "0.5"
     assert flag(custom, "--balance-rel-threshold") == "1.2"
     assert flag(router_argv("round_robin"), "--balance-abs-threshold") is None
+
+
+def test_processes_on_one_machine_split_its_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two CPU engines (and two trainer ranks) each took every core: their thread barriers spun against
+    each other and decoding was 10x slower. By default each gets cores / processes threads, at least 1."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    for engines, given, threads in ((2, None, "4"), (16, None, "1"), (2, 3, "3")):
+        launch = EngineLaunch(engines=engines, cpu_venv=True, cpu_threads=given)
+        plan = plan_group(
+            tmp_path, launch, max_context=64, router="none", runtime=engine_runtime(launch, build=False)
+        )  # fmt: skip
+        assert {p.env.get("OMP_NUM_THREADS") for p in plan.processes} == {threads}
+    gpu = EngineLaunch(engines=2, python="/opt/sgl/bin/python")
+    plan = plan_group(tmp_path, gpu, max_context=64, router="none", runtime=engine_runtime(gpu, build=False))
+    assert all("OMP_NUM_THREADS" not in p.env for p in plan.processes)  # GPU servers: SGLang's own choice
+    ranks = plan_ranks(tmp_path, ports=free_port, world=None, tp=2, dp=2)
+    assert ranks.trainer_options["threads"] == 2 and all(f.options["threads"] == 2 for f in ranks.followers)
+    assert plan_ranks(tmp_path, ports=free_port, world=None, tp=2, threads=1).trainer_options["threads"] == 1
 
 
 def test_engine_group_plan_gives_each_server_its_port_gpus_and_ranks(tmp_path: Path) -> None:

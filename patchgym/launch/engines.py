@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +58,12 @@ class EngineLaunch(BaseModel):
     gpus: list[int] | None = Field(None, description="GPU ids to use, tp per server in order (default 0..N*tp-1)")
     context_length: int | None = Field(None, ge=1, description="server context (default: the client's max_context)")
     max_total_tokens: int | None = Field(None, ge=1, description="KV pool in tokens (CPU default 16384)")
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per CPU server (default: this machine's cores / engines, at least 1; two "
+        "engines of 2 threads on 2 cores spun in each other's thread barriers, 10x slower)",
+    )
     mem_fraction_static: float | None = Field(None, gt=0, le=1, description="GPU memory for weights and KV")
     dtype: str = "auto"
     extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server flags")
@@ -169,6 +176,9 @@ def server_settings(
         max_total_tokens=launch.max_total_tokens or (16384 if runtime.device == "cpu" else None),
         dtype=launch.dtype,
         stubs_dir=runtime.stubs,
+        cpu_threads=(launch.cpu_threads or max(1, (os.cpu_count() or 1) // launch.engines))
+        if runtime.device == "cpu"
+        else None,
         extra_args=(*(["--tp-size", str(launch.tp)] if launch.tp > 1 else []), *launch.extra_args),
     )
 

@@ -216,6 +216,8 @@ def plan_ranks(
     if world is not None or layout.world == 1:
         return RanksPlan(layout, trainer_options, torchrun=world is not None)
     timeout_s = float(options.get("timeout_s", DEFAULT_TIMEOUT_S))
+    # ranks on one machine share its cores: torch's default (every core each) makes them spin in each other's way
+    trainer_options.setdefault("threads", max(1, (os.cpu_count() or 1) // layout.world))
     rendezvous = Rendezvous("127.0.0.1", ports(), layout.world)
     followers = tuple(RankSpec(rendezvous, r, str(model), trainer_options, timeout_s) for r in range(1, layout.world))
     return RanksPlan(layout, trainer_options, rendezvous, followers)

@@ -58,6 +58,8 @@ class SGLangLaunchSettings:
     health_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
     """Seconds a stopped server's process group gets to exit after SIGTERM before SIGKILL."""
+    cpu_threads: int | None = None
+    """Torch threads of a CPU server (`OMP_NUM_THREADS`); None: torch's default (every core)."""
     sleep_on_idle: bool | None = None
     """`--sleep-on-idle`: block on the sockets when there is no work; None = on for CPU, off for GPU."""
 
@@ -120,6 +122,8 @@ def server_env_changes(settings: SGLangLaunchSettings, base: Mapping[str, str] =
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if settings.device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if settings.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(settings.cpu_threads)
         if settings.stubs_dir is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(settings.stubs_dir), base.get("PYTHONPATH")) if p)
     return env

@@ -114,9 +114,11 @@ class MegatronTrainer:
         seed: int = 0,
         timeout_s: float = 600.0,
         stop_timeout_s: float = 60.0,
+        threads: int | None = None,
     ) -> None:
         """`timeout_s` bounds every collective (a rank that hangs fails the others after it);
-        `stop_timeout_s` bounds how long `aclose()` waits for the followers to acknowledge the stop."""
+        `stop_timeout_s` bounds how long `aclose()` waits for the followers to acknowledge the stop;
+        `threads`: this rank's torch threads (None: torch's default)."""
         from transformers import AutoConfig
 
         path = Path(model)
@@ -142,6 +144,8 @@ class MegatronTrainer:
         self.world = dist.get_world_size()
         self.dp = MegatronLayout.for_world(self.world, tp=tp, pp=pp, ep=ep, etp=self.etp).dp
         torch.manual_seed(seed)
+        if threads is not None:
+            torch.set_num_threads(threads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
         self._closed = threading.Event()
         with mcore_cpu.active():
@@ -271,6 +275,7 @@ class MegatronTrainer:
             "cpu_shim": mcore_cpu.needed(),
             "process_group_timeout_s": self.timeout_s,
             "stop_timeout_s": self.stop_timeout_s,
+            "threads": torch.get_num_threads(),
             "heartbeat_s": self.heartbeat_s,
             "ranks_started_by": "patchgym" if self.placement is not None else "launcher",
             **self.optim.as_dict(),
