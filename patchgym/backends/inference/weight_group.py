@@ -52,11 +52,11 @@ class WeightBroadcaster:
         """Rendezvous with every engine rank; returns once the group exists.
 
         Raises `TransportError` once the timeout has passed without it, whichever member is
-        missing. The group forms in two waits, each bounded by a timeout of torch's: every member
-        connects to the store this rank hosts, then the backend's own rendezvous (gloo exchanges
-        addresses through the store). A member that reached the store but never its backend (an
-        engine that died in between) made the second wait run a whole timeout again, so it gets
-        only what the first one left; broadcasts then get the whole timeout back.
+        missing. The group forms in two waits, each given a timeout: every member connects to
+        the store this rank hosts, then the backend's own rendezvous (gloo exchanges addresses
+        through the store). Given the whole timeout each, a member that reached the store but
+        never its backend (an engine that died in between) held the join for twice the timeout;
+        the second wait gets what the first one left, and broadcasts the whole timeout again.
         """
         from torch.distributed import TCPStore
         from torch.distributed import distributed_c10d as c10d

@@ -354,8 +354,8 @@ class LocalSandboxBackend(SandboxBackend):
         problem = _bwrap_problem() if isolation != "none" else None
         if isolation == "bwrap" and problem:
             raise ConfigError(
-                f"isolation='bwrap' needs bubblewrap and util-linux's unshare working here ({problem}): install "
-                "them (apt-get install bubblewrap util-linux) and allow unprivileged user namespaces, "
+                f"isolation='bwrap' needs bubblewrap and util-linux's unshare and setpriv working here ({problem}): "
+                "install them (apt-get install bubblewrap util-linux) and allow unprivileged user namespaces, "
                 "or use isolation='none'"
             )
         self.isolation = isolation if isolation != "auto" else ("none" if problem else "bwrap")
