@@ -441,10 +441,12 @@ async def test_disk_weight_sync_exports_each_version_and_keeps_the_newest(tmp_pa
     from patchgym.pipeline.config import RunConfig
     from patchgym.pipeline.run import Pipeline
 
-    changes = {"weight_sync": "disk", "metrics": {"tensorboard": False}, "eval": {"limit": 1}}
+    changes = {"weight_sync": "disk", "weight_sync_timeout_s": 42, "metrics": {"tensorboard": False}}
+    changes["eval"] = {"limit": 1}
     config = RunConfig.model_validate(run_config(tmp_path, steps=1, sft=False, changes=changes))
     await Pipeline(config, console=Console(quiet=True)).run()
     run_dir = Path(config.run_dir)
+    assert read_events(run_dir, "launch")[0]["weight_sync"]["timeout_s"] == 42
     (sync,) = read_events(run_dir, "weight_sync")
     assert sync["mode"] == "disk" and sync["version"] == 1 and sync["groups"] == 0
     assert sync["bytes"] == sum(f.stat().st_size for f in (run_dir / "weights" / "v1").iterdir())

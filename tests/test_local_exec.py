@@ -10,6 +10,7 @@ import pytest
 
 from patchgym.backends.sandbox import local
 from patchgym.backends.sandbox.local import LocalSandboxBackend
+from patchgym.core.errors import ConfigError
 from patchgym.core.sandbox import SandboxSpec
 
 
@@ -39,3 +40,11 @@ async def test_a_commands_end_is_noticed_without_polling(
     async with await backend.create(SandboxSpec(workspace=workspace)) as box:
         result = await box.exec("echo out; echo err >&2; exit 5", timeout_s=30)
     assert (result.stdout, result.stderr, result.exit_code) == ("out\n", "err\n", 5)
+
+
+def test_bwrap_without_its_tools_is_a_config_error_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bwrap sandboxes need util-linux's unshare and setpriv too; `auto` then falls back to none."""
+    monkeypatch.setattr(local.shutil, "which", lambda tool: None if tool in ("unshare", "setpriv") else f"/bin/{tool}")
+    with pytest.raises(ConfigError, match=r"\(unshare, setpriv not found\): install them"):
+        LocalSandboxBackend(isolation="bwrap")
+    assert LocalSandboxBackend().isolation == "none"

@@ -1,7 +1,10 @@
-"""Stopping whole process groups within a grace period, and Ctrl-C that works in a background job."""
+"""Stopping whole process groups within a grace period, children that die with their parent, and
+Ctrl-C that works in a background job."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -12,8 +15,9 @@ import pytest
 
 from patchgym.backends.inference.sglang_launch import SGLangLaunchSettings, server_command
 from patchgym.core.errors import ConfigError
-from patchgym.process_groups import group_members, stop_groups
+from patchgym.process_groups import group_members, killed_with_parent, stop_groups
 from tests.processes import ignore_sigint, kill_survivors
+from tests.test_launch import wait_gone
 
 # A leader that exits on SIGTERM and a worker child that ignores it (an SGLang scheduler that lingers).
 LINGERING_CHILD = """
@@ -85,6 +89,44 @@ def test_handle_interrupts_works_when_sigint_was_inherited_ignored(sig: signal.S
     finally:
         process.kill()
         process.wait()
+
+
+def test_killed_with_parent_runs_only_under_the_process_that_made_it() -> None:
+    """Started by another process (as if this one had died before the signal was set), it runs nothing."""
+    argv = killed_with_parent(["echo", "ran"])
+    direct = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert (direct.returncode, direct.stdout) == (0, "ran\n"), direct.stderr
+    relay = ["bash", "-c", '"$@"; exit $?', "bash", *argv]  # bash forks it: bash is its parent
+    relayed = subprocess.run(relay, capture_output=True, text=True, timeout=120)
+    assert (relayed.returncode, relayed.stdout) == (1, ""), relayed.stderr
+
+
+def test_killed_with_parent_dies_with_a_sigkilled_parent() -> None:
+    parent_source = (
+        "import subprocess, sys, time\n"
+        "from patchgym.process_groups import killed_with_parent\n"
+        "child = subprocess.Popen(killed_with_parent(['sleep', '3600']))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_source], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root}
+    )
+    child = 0
+    try:
+        child = int(parent.stdout.readline())  # type: ignore[union-attr]
+        while Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":  # setpriv, sh, then sleep
+            time.sleep(0.01)
+        parent.kill()
+        parent.wait()
+        assert wait_gone([child]) == []
+    finally:
+        parent.kill()
+        parent.wait()
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_cpu_servers_sleep_on_idle_and_the_stop_grace_is_checked(tmp_path: Path) -> None:

@@ -139,6 +139,9 @@ class RunConfig(_Strict):
     )
     verify_sync: bool = Field(False, description="after each sync, compare engine and trainer log-probs of a probe")
     verify_sync_tolerance: float = Field(1e-4, gt=0, description="largest probe log-prob gap verify_sync accepts")
+    weight_sync_timeout_s: float = Field(
+        600.0, gt=0, description="seconds a distributed sync waits for every engine rank to join its group"
+    )
     metrics: MetricsConfig = MetricsConfig()
     cluster: ClusterSettings | None = Field(
         None, description="run trainer ranks and engines on a Ray cluster (patchgym.launch.cluster); none: this machine"

@@ -240,6 +240,7 @@ class Pipeline:
             verify=c.verify_sync,
             tolerance=c.verify_sync_tolerance,
             probe=probe_ids(self.tokenizer),
+            timeout_s=c.weight_sync_timeout_s,
         )
         settings = {name: getattr(part, "settings", dict)() for name, part in self._parts().items()}
         self.log.emit("launch", weight_sync=self.weight_sync.settings(), **settings)

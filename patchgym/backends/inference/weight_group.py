@@ -8,6 +8,7 @@ trainer's own distributed setup (if any) is untouched. Blocking calls: run them 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -48,16 +49,36 @@ class WeightBroadcaster:
         self._group: Any = None
 
     def join(self) -> None:
-        """Rendezvous with every engine rank; returns once the group exists."""
+        """Rendezvous with every engine rank; returns once the group exists.
+
+        Raises `TransportError` once the timeout has passed without it, whichever member is
+        missing. The group forms in two waits, each given a timeout: every member connects to
+        the store this rank hosts, then the backend's own rendezvous (gloo exchanges addresses
+        through the store). Given the whole timeout each, a member that reached the store but
+        never its backend (an engine that died in between) held the join for twice the timeout;
+        the second wait gets what the first one left, and broadcasts the whole timeout again.
+        """
         from torch.distributed import TCPStore
         from torch.distributed import distributed_c10d as c10d
 
+        seconds = self.timeout.total_seconds()
+        deadline = time.monotonic() + seconds
+        # The store's wait for its clients counts whole seconds and gives up only past the next
+        # one: asked for a second less, it ends within the timeout.
+        store_timeout = timedelta(seconds=max(seconds - 1, seconds / 2))
+        where = f"{self.master_address}:{self.master_port}"
         try:
             # This rank hosts the store itself: under torchrun, `c10d.rendezvous` would only connect
             # to the launcher's agent store (TORCHELASTIC_USE_AGENT_STORE) and never meet the engines.
             store = TCPStore(
-                self.master_address, self.master_port, self.world_size, True, self.timeout, multi_tenant=True
+                self.master_address, self.master_port, self.world_size, True, store_timeout, multi_tenant=True
             )
+        except (RuntimeError, TimeoutError, ValueError) as exc:
+            raise self._failed(f"not all {self.world_size} members reached its store at {where}", exc) from exc
+        try:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the store's own wait used all of it")
             group, _ = c10d._new_process_group_helper(
                 self.world_size,
                 0,
@@ -65,12 +86,20 @@ class WeightBroadcaster:
                 c10d.Backend(self.backend),
                 c10d.PrefixStore(self.group_name, store),
                 group_name=self.group_name,
-                timeout=self.timeout,
+                timeout=timedelta(seconds=left),
             )
+            c10d._set_pg_timeout(self.timeout, group)
         except (RuntimeError, TimeoutError, ValueError) as exc:
-            raise TransportError(f"the weight-update group {self.group_name!r} did not form: {exc}") from exc
+            raise self._failed(f"every member reached its store at {where}, but not all joined the group", exc) from exc
         c10d._world.pg_group_ranks[group] = {i: i for i in range(self.world_size)}
         self._group = group
+
+    def _failed(self, what: str, cause: Exception) -> TransportError:
+        seconds = self.timeout.total_seconds()
+        return TransportError(
+            f"the weight-update group {self.group_name!r} did not form within {seconds:g} s: {what} "
+            f"(an engine that died or was not asked to join?): {cause}"
+        )
 
     def broadcast(self, tensors: list[Any]) -> None:
         """Send each tensor from rank 0, in the order the engines were told."""

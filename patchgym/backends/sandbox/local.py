@@ -3,15 +3,21 @@
 Commands run with `bash -c` (not a login shell: the sandbox's environment stays as given) in
 their own process group; a timeout (or the end of the command) kills the whole group, and
 output is capped while it streams. The command's exit is noticed when it happens (asyncio's
-child watcher), not by polling.
+child watcher), not by polling. A command also dies when its `exec` is cancelled (even while it
+starts) and when its sandbox or the backend is closed (its `exec` then raises `SandboxLostError`).
 
 Isolation (setting `isolation`):
 - `bwrap`: commands run under bubblewrap with a read-only view of the host, the workspace
   copy mounted read-write at the spec's `workdir`, a private `/tmp`, their own PID namespace
-  (nothing outlives a command) and, unless the spec allows network, no network.
+  (nothing outlives a command) and, unless the spec allows network, no network. They also die
+  with the thread that started them (the kernel's parent-death signal), so that not even a
+  SIGKILLed driver leaves one running: bwrap runs as PID 1 of a PID namespace of its own
+  (util-linux `unshare`), so that whatever ends bwrap ends everything under it
+  (`_PID_NAMESPACE_INIT` says why).
 - `none`: commands run directly on the host as the current user. This is NOT a security
   boundary: a command can read and write anything the user can and can leave processes
-  behind. Use it only for trusted code, or inside a container you treat as the boundary.
+  behind (also when the driver is SIGKILLed). Use it only for trusted code, or inside a
+  container you treat as the boundary.
 - `auto` (default): `bwrap` if bubblewrap is installed and works here, else `none`.
 CPU, memory and PID limits in the spec are not enforced by this backend.
 """
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -46,6 +53,7 @@ from patchgym.core.sandbox import (
     SandboxSpec,
     confine_path,
 )
+from patchgym.process_groups import killed_with_parent
 
 Isolation = Literal["auto", "none", "bwrap"]
 T = TypeVar("T")
@@ -61,15 +69,38 @@ Home directories, /srv, /mnt, /work and the like stay hidden, and with them ever
 (gold patches, hidden tests, oracles) kept on this host."""
 
 
-def _bwrap_works() -> bool:
-    if shutil.which("bwrap") is None:
-        return False
+_PID_NAMESPACE_INIT = ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child")
+"""What starts bwrap: its PID 1 in new user and PID namespaces, SIGKILLed when `unshare` dies.
+
+When PID 1 of a namespace dies, the kernel kills every process in it. bwrap's own
+`--die-with-parent` arms its sandbox process only once that process is set up: if bwrap died
+before (its driver SIGKILLed, or asyncio killing only the process it started when a start is
+cancelled), the half-set-up sandbox process was left waiting forever, or ran its command with
+no one to stop it (containers/bubblewrap#633). As PID 1 here, bwrap takes it down with it.
+`unshare` itself dies with the driver (`killed_with_parent`). One window is left: util-linux
+2.38 (the version checked here) arms its child's parent-death signal a few instructions after
+the fork, and a driver dying in between leaves that sandbox running; later versions check for
+it (pidfd)."""
+
+
+def _bwrap_argv(options: list[str], command: list[str]) -> list[str]:
+    """`command` under bwrap with `options` (see `_PID_NAMESPACE_INIT`); it runs as this user."""
+    user = ["--unshare-user", "--uid", str(os.getuid()), "--gid", str(os.getgid())]  # unshare made bwrap root
+    return [*_PID_NAMESPACE_INIT, "bwrap", "--die-with-parent", *user, "--unshare-pid", *options, "--", *command]
+
+
+def _bwrap_problem() -> str | None:
+    """Why bwrap sandboxes cannot run here, or None if they can."""
+    missing = [tool for tool in ("bwrap", "unshare", "setpriv") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not found"
     probe = subprocess.run(
-        ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-pid", "true"],
+        killed_with_parent(_bwrap_argv(["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"], ["true"])),
         capture_output=True,
+        text=True,
         timeout=30,
     )
-    return probe.returncode == 0
+    return None if probe.returncode == 0 else f"a test sandbox failed: {probe.stderr.strip()[-500:]}"
 
 
 def _interpreter_dirs() -> list[str]:
@@ -113,6 +144,15 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def _kill_started(start: asyncio.Future[tuple[asyncio.SubprocessTransport, Any]]) -> None:
+    """Done-callback of a cancelled start: kill the command's whole group if it started."""
+    if start.cancelled() or start.exception() is not None:
+        return
+    transport, _ = start.result()
+    _kill_group(transport.get_pid())
+    transport.close()
+
+
 class _Capture(asyncio.SubprocessProtocol):
     """A command's pipes fed into capped buffers; `exited` resolves when the process itself exits.
 
@@ -149,6 +189,8 @@ class LocalSandbox(Sandbox):
         self._spec = spec
         self._bwrap = bwrap
         self._closed = False
+        self._running: set[int] = set()
+        """Process groups of the commands running now."""
         self.workdir = spec.workdir if bwrap else str(root / "work")
         self._tmp_view = "/tmp" if bwrap else str(root / "tmp")
         path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
@@ -176,7 +218,7 @@ class LocalSandbox(Sandbox):
         shell = ["bash", "-c", cmd]
         if not self._bwrap:
             return shell
-        args = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+        args = ["--unshare-ipc", "--unshare-uts"]
         if not self._spec.network:
             args.append("--unshare-net")
         args += self._backend.root_binds(self._spec.workdir)
@@ -184,7 +226,35 @@ class LocalSandbox(Sandbox):
         args += ["--bind", str(self._root / "work"), self._spec.workdir, "--bind", str(self._root / "tmp"), "/tmp"]
         if Path(sys.prefix).parts[1] in _HIDDEN_FROM_BWRAP:  # keep this interpreter visible (a venv in /tmp)
             args += ["--ro-bind", sys.prefix, sys.prefix]
-        return [*args, "--chdir", cwd, "--", *shell]
+        return killed_with_parent(_bwrap_argv([*args, "--chdir", cwd], shell))
+
+    async def _start(
+        self, argv: list[str], env: dict[str, str], cwd: Path, limit: int
+    ) -> tuple[asyncio.SubprocessTransport, _Capture]:
+        """Start `argv` in a process group of its own.
+
+        A cancelled start still kills the whole group once it has started: asyncio would kill only
+        the process it started, then wait for the pipes that the rest of the group holds open.
+        """
+        starting = asyncio.ensure_future(
+            asyncio.get_running_loop().subprocess_exec(
+                partial(_Capture, limit),
+                *argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        )
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            starting.add_done_callback(_kill_started)
+            raise
+        except OSError as exc:
+            raise SandboxLostError(f"could not start a command in the local sandbox: {exc}") from exc
 
     async def exec(
         self,
@@ -201,27 +271,22 @@ class LocalSandbox(Sandbox):
         if not host_cwd.is_dir():
             return ExecResult(exit_code=1, stdout="", stderr=f"cwd {view_cwd!r} is not a directory in the sandbox\n")
         started = time.perf_counter()
+        argv = self._argv(cmd, view_cwd)
+        transport, capture = await self._start(argv, {**self._env, **(env or {})}, host_cwd, max_output_bytes)
+        group = transport.get_pid()
+        self._running.add(group)
+        timed_out = False
         try:
-            transport, capture = await asyncio.get_running_loop().subprocess_exec(
-                partial(_Capture, max_output_bytes),
-                *self._argv(cmd, view_cwd),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env={**self._env, **(env or {})},
-                cwd=host_cwd,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise SandboxLostError(f"could not start a command in the local sandbox: {exc}") from exc
-        drain = self._backend.drain_timeout_s
-        try:
-            done, _ = await asyncio.wait([capture.exited], timeout=timeout_s)
+            if not self._closed:  # else closed while the command started: it ends here
+                done, _ = await asyncio.wait([capture.exited], timeout=timeout_s)
+                timed_out = not done
         finally:
-            _kill_group(transport.get_pid())  # also removes background processes the command left behind
-            await asyncio.wait([capture.exited, capture.drained], timeout=drain)
+            self._running.discard(group)
+            _kill_group(group)  # also removes background processes the command left behind
+            await asyncio.wait([capture.exited, capture.drained], timeout=self._backend.drain_timeout_s)
             transport.close()
-        timed_out = not done
+        if self._closed:
+            raise SandboxLostError("the sandbox was closed while the command ran")
         code = transport.get_returncode()
         code = -signal.SIGKILL if code is None else code
         return ExecResult(
@@ -258,10 +323,16 @@ class LocalSandbox(Sandbox):
         copy = partial(shutil.copytree, self._host_path(path), local_dir, symlinks=True, dirs_exist_ok=True)
         await self._backend.run_io(copy)
 
+    def stop_commands(self) -> None:
+        """Take no more commands and kill those running (their `exec` raises `SandboxLostError`)."""
+        self._closed = True
+        for group in self._running:
+            _kill_group(group)
+
     async def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        self.stop_commands()
         await self._backend.run_io(_remove_tree, self._root)
 
 
@@ -280,17 +351,20 @@ class LocalSandboxBackend(SandboxBackend):
     ) -> None:
         if isolation not in ("auto", "none", "bwrap"):
             raise ConfigError(f"local sandbox isolation must be 'auto', 'none' or 'bwrap', got {isolation!r}")
-        if isolation == "bwrap" and not _bwrap_works():
+        problem = _bwrap_problem() if isolation != "none" else None
+        if isolation == "bwrap" and problem:
             raise ConfigError(
-                "isolation='bwrap' needs a working bubblewrap: install it (apt-get install bubblewrap) "
-                "and allow unprivileged user namespaces, or use isolation='none'"
+                f"isolation='bwrap' needs bubblewrap and util-linux's unshare and setpriv working here ({problem}): "
+                "install them (apt-get install bubblewrap util-linux) and allow unprivileged user namespaces, "
+                "or use isolation='none'"
             )
-        self.isolation = isolation if isolation != "auto" else ("bwrap" if _bwrap_works() else "none")
+        self.isolation = isolation if isolation != "auto" else ("none" if problem else "bwrap")
         self.root_dir = Path(root_dir) if root_dir else Path(tempfile.gettempdir())
         self.io_workers = io_workers
         self.drain_timeout_s = drain_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="patchgym-local-io")
         self._root_binds: dict[str, list[str]] = {}
+        self._sandboxes: weakref.WeakSet[LocalSandbox] = weakref.WeakSet()
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -328,6 +402,7 @@ class LocalSandboxBackend(SandboxBackend):
         except OSError as exc:
             await self.run_io(_remove_tree, root)
             raise SandboxStartError(f"cannot copy workspace {str(workspace)!r} into a sandbox: {exc}") from exc
+        self._sandboxes.add(sandbox)
         return sandbox
 
     @staticmethod
@@ -353,4 +428,7 @@ class LocalSandboxBackend(SandboxBackend):
         return await self.run_io(sweep)
 
     async def aclose(self) -> None:
+        """Kill the commands still running in this backend's sandboxes (their files stay, for `reap`)."""
+        for sandbox in list(self._sandboxes):
+            sandbox.stop_commands()
         self._executor.shutdown(wait=False, cancel_futures=True)
