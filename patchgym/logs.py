@@ -31,6 +31,13 @@ def console_stderr() -> TextIO:
     return _console_stderr[-1] if _console_stderr else sys.stderr
 
 
+def _on_descriptor_2(stream: TextIO) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
 def library_output_to(run_dir: Path) -> Iterator[Path]:
     """Send stderr, warnings and library logging to `run_dir/library.log` for the block; yields its path."""
@@ -42,21 +49,23 @@ def library_output_to(run_dir: Path) -> Iterator[Path]:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     console = open(console_fd, "w", buffering=1, closefd=True)  # noqa: SIM115 (closed in finally)
+    # A sys.stderr that is not the descriptor (a test runner's capture) still reaches its reader.
+    shown = console if _on_descriptor_2(sys.stderr) else sys.stderr
     root, ours = logging.getLogger(), logging.getLogger("patchgym")
     to_file = logging.FileHandler(path)
     to_file.setFormatter(logging.Formatter(FORMAT.format(rank=os.environ.get("RANK", "0"))))
-    to_console = logging.StreamHandler(console)
+    to_console = logging.StreamHandler(shown)
     to_console.setLevel(logging.WARNING)
     saved_root = (list(root.handlers), root.level)
     root.handlers[:] = [to_file]
     root.setLevel(logging.INFO)
     ours.addHandler(to_console)
     logging.captureWarnings(True)
-    _console_stderr.append(console)
+    _console_stderr.append(shown)
     try:
         yield path
     finally:
-        _console_stderr.remove(console)
+        _console_stderr.remove(shown)
         logging.captureWarnings(False)
         ours.removeHandler(to_console)
         root.handlers[:], root.level = saved_root

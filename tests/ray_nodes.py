@@ -245,7 +245,7 @@ class LoopbackRayCluster:
             f"deadline = time.monotonic() + {attempt_s}\n"
             f"while sum(n['Alive'] for n in ray.nodes()) != {alive} and time.monotonic() < deadline:\n"
             "    time.sleep(1)\n"
-            "print(json.dumps(ray.nodes()))\n"
+            "print('NODES ' + json.dumps(ray.nodes()))\n"
         )
         deadline = time.monotonic() + timeout_s
         nodes: list[dict[str, Any]] = []
@@ -256,7 +256,9 @@ class LoopbackRayCluster:
             except (RuntimeError, subprocess.TimeoutExpired):
                 time.sleep(2)
                 continue
-            nodes = json.loads(out)
+            # Ray may print its own lines (a raylet's "marked dead" notice) beside the answer
+            (answer,) = [line for line in out.splitlines() if line.startswith("NODES ")]
+            nodes = json.loads(answer.removeprefix("NODES "))
             if sum(n["Alive"] for n in nodes) == alive:
                 return nodes
         raise AssertionError(f"expected {alive} live Ray nodes within {timeout_s:.0f} s: {nodes}")

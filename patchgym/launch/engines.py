@@ -305,7 +305,7 @@ def sglang_backend(
     policy = router or ("cache_aware" if launch is not None else "none")
     settings, started = plan.launch, {"router": {"policy": policy, **router_flags(policy, router_options)}}
     if settings is not None:
-        started = {
+        started |= {
             "ranks_per_engine": [settings.tp] * settings.engines,
             "start_timeout_s": settings.health_timeout_s,
             "launch": settings.model_dump(),
