@@ -115,7 +115,7 @@ def test_a_run_config_with_a_cluster_is_checked(tmp_path: Path) -> None:
 
 def test_base_gpu_is_0_unless_ray_leaves_the_visible_devices_alone() -> None:
     pytest.importorskip("ray")
-    from patchgym.launch.ray_engines import base_gpu
+    from patchgym.launch.ray_cluster import base_gpu
 
     assert base_gpu(["3", "4"], {}) == 0  # Ray set CUDA_VISIBLE_DEVICES=3,4: the server sees them as 0, 1
     assert base_gpu(["3", "4"], {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1"}) == 3

@@ -197,6 +197,32 @@ def test_engine_group_plan_gives_each_server_its_port_gpus_and_ranks(tmp_path: P
         )
 
 
+def test_each_rank_gets_its_own_gpu_and_the_weight_group_the_trainers_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU path, checked without a GPU: follower rank r is started with LOCAL_RANK=r; a rank binds
+    GPU LOCAL_RANK (else its rank) modulo the GPUs it sees; the weight group takes NCCL when the
+    trainer's tensors are on a GPU, whatever the driver has."""
+    torch = pytest.importorskip("torch")
+    from patchgym.backends.trainer.megatron import bind_device
+    from patchgym.launch.ranks import rank_process
+    from patchgym.launch.sync import group_backend
+
+    ranks = plan_ranks(tmp_path, ports=free_port, world=None, tp=2, dp=2)
+    assert [rank_process(f).env["LOCAL_RANK"] for f in ranks.followers] == ["1", "2", "3"]
+    assert bind_device(3) == torch.device("cpu")  # no GPU here
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert bind_device(2) == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert bind_device(0) == torch.device("cuda", 1) and chosen == [0, 1]
+    assert group_backend({"device": "cuda:1"}) == "nccl"
+    assert group_backend({"device": "cpu"}) == group_backend({}) == "gloo"
+
+
 def test_rank_spec_round_trips() -> None:
     spec = RankSpec(Rendezvous("127.0.0.1", 29500, 4), 3, "/m", {"tp": 2, "lr": 1e-3}, 30.0)
     assert RankSpec.from_json(spec.to_json()) == spec

@@ -120,6 +120,7 @@ def test_same_hf_weights_same_logprobs_as_embedded(runs: dict, tol: Tolerances) 
 def test_tp2_dp2_and_pp2_match_tp1_over_several_steps(runs: dict, tol: Tolerances) -> None:
     assert runs["tp2"]["settings"]["tp"] == 2 and runs["dp2"]["settings"]["dp"] == 2
     assert runs["pp2"]["settings"]["pp"] == 2 and runs["pp2"]["settings"]["dp"] == 1
+    assert {runs[n]["settings"]["device"] for n in ("tp1", "tp2", "dp2", "pp2")} == {"cpu"}  # no GPU here
     for name in ("tp2", "dp2", "pp2"):
         assert_same_run(runs["tp1"], runs[name], name, tol)
     grpo = runs["tp2"]["grpo"][-1]

@@ -179,8 +179,8 @@ def loopback_env(address: str, base: Mapping[str, str] = os.environ) -> dict[str
 
 def rank_process(spec: RankSpec, base: Mapping[str, str] = os.environ) -> ProcessPlan:
     """The process of follower rank `spec.rank` on this machine: `python -m patchgym.launch.ranks SPEC`
-    (gloo on loopback unless `base` already names an interface)."""
-    env = loopback_env(spec.rendezvous.address, base)
+    (gloo on loopback unless `base` already names an interface; on a GPU machine, GPU `rank`)."""
+    env = loopback_env(spec.rendezvous.address, base) | {"LOCAL_RANK": str(spec.rank)}
     argv = (sys.executable, "-m", "patchgym.launch.ranks", spec.to_json())
     where = Where(host=spec.rendezvous.address)
     return ProcessPlan(f"trainer-rank-{spec.rank}", "trainer", where, argv, env, rank=spec.rank)

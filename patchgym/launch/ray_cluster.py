@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,23 @@ from patchgym.launch.processes import ProcessDiedError
 def node_address() -> str:
     """This actor's (or driver's) node address, as the cluster knows it."""
     return ray.util.get_node_ip_address()
+
+
+NOSET_VARIABLES = (
+    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
+    "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",
+    "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES",
+)
+
+
+def base_gpu(gpu_ids: Sequence[Any], env: Mapping[str, str]) -> int:
+    """An actor's first GPU among those its process sees (an engine's `--base-gpu-id`, a trainer
+    rank's `LOCAL_RANK`): 0, as Ray shows each actor only its own GPUs through
+    CUDA/HIP_VISIBLE_DEVICES; the first id Ray assigned when told not to (RAY_EXPERIMENTAL_NOSET_*,
+    the reference ROCm setup)."""
+    if gpu_ids and any(env.get(name) == "1" for name in NOSET_VARIABLES):
+        return int(gpu_ids[0])
+    return 0
 
 
 def check_paths(owner: str, paths: Sequence[str]) -> None:

@@ -32,22 +32,15 @@ from patchgym.launch.engines import (
     sglang_backend,
 )
 from patchgym.launch.processes import Supervisor
-from patchgym.launch.ray_cluster import Member, PlacedRole, RayCluster, check_paths, node_address, redirect_output
-
-NOSET_VARIABLES = (
-    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
-    "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",
-    "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES",
+from patchgym.launch.ray_cluster import (
+    Member,
+    PlacedRole,
+    RayCluster,
+    base_gpu,
+    check_paths,
+    node_address,
+    redirect_output,
 )
-
-
-def base_gpu(gpu_ids: Sequence[Any], env: Mapping[str, str]) -> int:
-    """The server's first GPU (`--base-gpu-id`): 0, as Ray shows each actor only its own GPUs through
-    CUDA/HIP_VISIBLE_DEVICES; the first id Ray assigned when told not to (RAY_EXPERIMENTAL_NOSET_*,
-    the reference ROCm setup)."""
-    if gpu_ids and any(env.get(name) == "1" for name in NOSET_VARIABLES):
-        return int(gpu_ids[0])
-    return 0
 
 
 class EngineActor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import traceback
 from pathlib import Path
@@ -25,7 +26,15 @@ from patchgym.launch.context import log_dir
 from patchgym.launch.engines import free_port
 from patchgym.launch.processes import ProcessDiedError
 from patchgym.launch.ranks import DEFAULT_TIMEOUT_S, RankSpec, Rendezvous, follow_spec, init_distributed
-from patchgym.launch.ray_cluster import Member, PlacedRole, RayCluster, check_paths, node_address, redirect_output
+from patchgym.launch.ray_cluster import (
+    Member,
+    PlacedRole,
+    RayCluster,
+    base_gpu,
+    check_paths,
+    node_address,
+    redirect_output,
+)
 
 SERVED = ("logprobs", "train_step", "set_lr", "reset_optimizer", "weights", "weight_stages")
 SERVED += ("broadcast_weights", "save", "load")
@@ -39,13 +48,12 @@ class RankActor:
         self.name = name
         check_paths(name, paths)
         redirect_output(log)
+        os.environ["LOCAL_RANK"] = str(base_gpu(ray.get_gpu_ids(), os.environ))  # the GPU this rank trains on
         self.trainer: Any = None
         self.failure: str | None = None
         self.follower: threading.Thread | None = None
 
     async def node(self) -> dict[str, Any]:
-        import os
-
         return {"address": node_address(), "pid": os.getpid()}
 
     async def free_port(self) -> int:

@@ -159,12 +159,10 @@ class WeightSync:
 
     async def _staged(self, version: int) -> tuple[Any, int]:
         """One group per trainer pipeline stage, hosted by that stage's sending rank (Megatron)."""
-        import torch
-
         from patchgym.backends.inference.sglang import StagedWeights, WeightGroup
         from patchgym.backends.inference.weight_group import split_buckets
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = group_backend(self.trainer.settings())
         world_size = sum(await self.engine.engine_ranks()) + 1
         groups, settings, buckets, size = [], [], [], 0
         for stage, tensors in enumerate(await self.trainer.weight_stages()):
@@ -199,6 +197,12 @@ class WeightSync:
         (mine,) = await self.trainer.logprobs(TrainBatch([sample], temperature=1.0))
         rows = await self.engine.prompt_logprobs(self.probe)
         return max(abs(a - b) for row in rows for a, b in zip(mine[1:], row[1:], strict=True))
+
+
+def group_backend(trainer_settings: dict[str, Any]) -> str:
+    """A staged weight group's backend: NCCL (RCCL on ROCm) when the trainer's tensors are on a GPU,
+    else gloo. The trainer's device decides, not this process's: a Ray driver may have no GPU."""
+    return "nccl" if str(trainer_settings.get("device", "cpu")).startswith("cuda") else "gloo"
 
 
 def _masters(weights: Any) -> list[str] | None:

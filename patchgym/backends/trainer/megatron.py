@@ -23,7 +23,9 @@ micro-batch and data-parallel gradients without averaging them.
 Mixture-of-experts models (Qwen3-MoE) use megatron's MoE layers with the all-to-all dispatcher;
 `ep` splits the experts between ranks (`megatron_moe`).
 
-Without a GPU the process group is gloo and `mcore_cpu` redirects megatron's CUDA calls.
+Devices: with a GPU each rank trains on its own (`LOCAL_RANK` among the GPUs it sees, as torchrun
+and patchgym's launchers set it) over NCCL (RCCL on ROCm); without one the process group is gloo
+and `mcore_cpu` redirects megatron's CUDA calls. The GPU path has not been run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ def _init_distributed(timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
+def bind_device(rank: int) -> torch.device:
+    """This rank's device: GPU `LOCAL_RANK` (else the rank) modulo the GPUs this process sees, made
+    the current one, or the CPU without a GPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _metas(state: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
     return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
 
@@ -88,7 +100,7 @@ def block_causal_mask(sample_index: torch.Tensor) -> torch.Tensor:
     """[b, 1, s, s] bool, True where attention is forbidden: other samples or the future."""
     s = sample_index.shape[1]
     same = sample_index[:, :, None] == sample_index[:, None, :]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=sample_index.device).tril()
     return ~(same & causal)[:, None]
 
 
@@ -142,11 +154,15 @@ class MegatronTrainer:
         _init_distributed(timeout_s)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.device = bind_device(self.rank)
         self.dp = MegatronLayout.for_world(self.world, tp=tp, pp=pp, ep=ep, etp=self.etp).dp
         torch.manual_seed(seed)
         if threads is not None:
             torch.set_num_threads(threads)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="patchgym-megatron")
+        # the current CUDA device is per thread: the worker that runs every call gets this rank's
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="patchgym-megatron", initializer=bind_device, initargs=(self.rank,)
+        )
         self._closed = threading.Event()
         with mcore_cpu.active():
             self._build()
@@ -195,6 +211,7 @@ class MegatronTrainer:
         )
         self.names = self._full_names(gpt)
         self._load_hf(gpt, self.model_dir)
+        gpt.to(self.device)  # built on the CPU (use_cpu_initialization); DDP's buffers go where it is
         module = Float16Module(config, gpt) if self.dtype == torch.bfloat16 else gpt
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -272,6 +289,7 @@ class MegatronTrainer:
             "micro_batch_tokens": self.micro_batch_tokens,
             "use_distributed_optimizer": self.use_distributed_optimizer,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
             "cpu_shim": mcore_cpu.needed(),
             "process_group_timeout_s": self.timeout_s,
             "stop_timeout_s": self.stop_timeout_s,
@@ -285,7 +303,7 @@ class MegatronTrainer:
     def _stage_forward(self, model: Any, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's output: logits [b, s, v / tp] on the last stage, hidden states elsewhere."""
         ids = t["input_ids"]
-        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         return model(ids, positions, block_causal_mask(t["sample_index"]))
 
     def _token_stats(
@@ -331,7 +349,7 @@ class MegatronTrainer:
             return []
 
         def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
-            t = next(data).tensors()
+            t = next(data).tensors(self.device)
             return step(megatron_moe.pad_sequence(t, self.tp) if self.gpt.config.sequence_parallel else t, model)
 
         return get_forward_backward_func()(
