@@ -400,8 +400,8 @@ def report(
     ],
 ) -> None:
     """Write PNG plots and a markdown summary of each run into RUN_DIR/report; print the group
-    accounting, and with several runs their step-time split side by side."""
-    from patchgym.report import compare_step_split, write_report
+    accounting, and with several runs their step-time split, endings and scores side by side."""
+    from patchgym.report import compare_outcomes, compare_step_split, write_report
 
     try:
         for run_dir in run_dirs:
@@ -409,7 +409,8 @@ def report(
             console.print(f"wrote {escape(str(out))}: reward.png, step_time.png, lengths.png, sandbox.png, summary.md")
             console.print((out / "summary.md").read_text(), markup=False, highlight=False, soft_wrap=True)
         if len(run_dirs) > 1:
-            console.print(compare_step_split(run_dirs), markup=False, highlight=False, soft_wrap=True)
+            for table in (compare_step_split(run_dirs), compare_outcomes(run_dirs)):
+                console.print(table, markup=False, highlight=False, soft_wrap=True)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -3,8 +3,9 @@
 Writes into RUN_DIR/report/: reward.png (training reward and pass@1 of each evaluation over
 steps), step_time.png (stacked split of each step's time), lengths.png (trajectory turns by
 termination reason, training and evaluation apart), sandbox.png (phase times per trajectory, log
-scale), and summary.md (with the group accounting and the step-time split). `compare_step_split`
-puts the step-time split of several runs side by side.
+scale), endings.png (submit rate and turn-cap share per step), and summary.md (with the group
+accounting and the step-time split). `compare_step_split` and `compare_outcomes` put the step-time
+split, and how episodes ended and scored, of several runs side by side.
 
 The step-time split: generation (the trainer waiting for rollouts), training (the actor update),
 weight sync, and orchestration (the rest of the step's wall time). There is no separate log-prob
@@ -208,6 +209,34 @@ def compare_step_split(run_dirs: list[str | Path]) -> str:
         cells = [f"{split[label]:.2f} s ({split[label] / (split['step'] or 1.0):.0%})" for split in splits]
         lines.append(f"| {'whole step' if label == 'step' else label} | " + " | ".join(cells) + " |")
     return "\n".join(["# Step-time split, mean per step", "", *lines]) + "\n"
+
+
+def compare_outcomes(run_dirs: list[str | Path], window: int = 10) -> str:
+    """A markdown table of how several runs' training episodes ended and scored (submit rate, turn-cap
+    share and reward, each a mean over the first and over the last `window` steps) and of their
+    held-out pass@1 per evaluation stage, side by side."""
+    runs = [(read_events(d, "step"), read_events(d, "eval")) for d in run_dirs]
+    head = ["figure", *(str(d) for d in run_dirs)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, label, shown in (
+        ("submit_rate", "submitted", "{:.1%}"),
+        ("turn_cap_share", "at the turn cap", "{:.1%}"),
+        ("reward_mean", "reward", "{:.3f}"),
+    ):
+        for part, pick in (("first", slice(None, window)), ("last", slice(-window, None))):
+            cells = []
+            for steps, _ in runs:
+                values = [s[key] for s in steps[pick] if key in s]
+                cells.append(shown.format(statistics.fmean(values)) if values else "-")
+            lines.append(f"| {label}, {part} {window} steps | " + " | ".join(cells) + " |")
+    stages = list(dict.fromkeys(e.get("stage", "eval") for _, evals in runs for e in evals))
+    for stage in stages:
+        cells = []
+        for _, evals in runs:
+            scores = [e["pass_at_1"] for e in evals if e.get("stage", "eval") == stage]
+            cells.append(f"{scores[-1]:.1%}" if scores else "-")
+        lines.append(f"| pass@1 ({stage}) | " + " | ".join(cells) + " |")
+    return "\n".join(["# Endings and scores", "", *lines]) + "\n"
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -132,3 +132,32 @@ def test_report_checks_the_group_accounting_and_compares_step_splits(tmp_path: P
     assert "BROKEN: 10 accounted for" in (runs[1] / "report" / "summary.md").read_text()
     output = " ".join(result.output.split())
     assert f"| part | {runs[0]} | {runs[1]} |" in output and "| generation | 1.00 s (25%) | 1.00 s (25%) |" in output
+
+
+def test_report_compares_how_episodes_ended_and_scored(tmp_path: Path) -> None:
+    """Two settings side by side: submit rate, turn-cap share and reward over the first and last
+    steps, and pass@1 per stage (a stage one run lacks is a dash)."""
+    from patchgym.cli import app
+
+    runs = []
+    for name, submit in (("graded", 0.2), ("zero", 0.6)):
+        run = tmp_path / name
+        log = EventLog(run)
+        log.emit("eval", stage="base", step=0, pass_at_1=0.0, tasks=4)
+        for step in range(1, 13):  # the first 10 and the last 10 steps overlap in 8
+            rate = submit + 0.03 * step
+            log.emit("step", step=step, submit_rate=rate, turn_cap_share=1 - rate, reward_mean=rate / 4)
+        if name == "zero":
+            log.emit("eval", stage="grpo", step=12, pass_at_1=0.5, tasks=4)
+        log.close()
+        runs.append(run)
+    result = CliRunner().invoke(app, ["report", *map(str, runs)])
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert f"| figure | {runs[0]} | {runs[1]} |" in output
+    # graded: steps 1-10 give 0.2 + 0.03 * 5.5 = 0.365, steps 3-12 give 0.2 + 0.03 * 7.5 = 0.425
+    assert "| submitted, first 10 steps | 36.5% | 76.5% |" in output
+    assert "| submitted, last 10 steps | 42.5% | 82.5% |" in output
+    assert "| at the turn cap, last 10 steps | 57.5% | 17.5% |" in output
+    assert "| reward, first 10 steps | 0.091 | 0.191 |" in output
+    assert "| pass@1 (base) | 0.0% | 0.0% |" in output and "| pass@1 (grpo) | - | 50.0% |" in output
