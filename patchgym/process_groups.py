@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 POLL_S = 0.05
-_PARENT_CHECK = 'read -r _ _ _ parent _ < /proc/self/stat; [ "$parent" = "$0" ] && exec "$@"'
-"""sh: run "$@" only if the process whose pid is $0 is still this one's parent."""
+PARENT_CHECK = 'read -r _ _ _ parent _ < /proc/self/stat; [ "$parent" = "$0" ] && exec "$@"'
+"""sh: run "$@" only if the process whose pid is $0 (as /proc shows it) is still this one's parent."""
 
 
 def killed_with_parent(argv: Sequence[str]) -> list[str]:
@@ -37,7 +37,7 @@ def killed_with_parent(argv: Sequence[str]) -> list[str]:
     same, this keeps `subprocess`'s vfork: a preexec_fn makes Python fork, which copies the page
     tables of the parent (about 100 ms for a parent holding 2 GB, measured here).
     """
-    return ["setpriv", "--pdeathsig", "KILL", "--", "sh", "-c", _PARENT_CHECK, str(os.getpid()), *argv]
+    return ["setpriv", "--pdeathsig", "KILL", "--", "sh", "-c", PARENT_CHECK, str(os.getpid()), *argv]
 
 
 def handle_interrupts() -> None:

@@ -25,7 +25,7 @@ from patchgym.backends.sandbox import local
 from patchgym.backends.sandbox.local import LocalSandboxBackend
 from patchgym.core.errors import SandboxLostError
 from patchgym.core.sandbox import SandboxSpec
-from patchgym.process_groups import process_table
+from patchgym.process_groups import PARENT_CHECK, process_table
 from tests.test_launch import alive, descendants, kill_quietly, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,6 +139,23 @@ def test_a_sigkilled_driver_leaves_no_sandbox_process(tmp_path: Path, churn: int
     with sandbox_processes(str(tmp_path)):
         survivors = kill_driver_while_running(tmp_path, command, churn)
         assert survivors == set(), [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in survivors if alive(p)]
+
+
+def test_the_namespace_init_starts_bwrap_only_while_unshare_is_its_parent(tmp_path: Path) -> None:
+    """unshare's child arms its parent-death signal after the fork; one whose unshare died before
+    must start nothing. Inside the new PID namespace the host's /proc still shows the child's real
+    parent, so the check that guards bwrap sees it: with unshare as the expected parent the
+    sandboxed command runs, with any other pid nothing does."""
+    require_bwrap()
+    ran = tmp_path / "ran"
+    chain = local._bwrap_argv(["--ro-bind", "/", "/", "--bind", str(tmp_path), str(tmp_path)], ["touch", str(ran)])
+    subprocess.run(chain, check=True, timeout=600)
+    assert ran.exists()
+    ran.unlink()
+    init = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--"]
+    for expected in ("1", str(os.getpid())):  # host init, or this test: neither is the child's parent
+        subprocess.run([*init, "sh", "-c", PARENT_CHECK, expected, "touch", str(ran)], timeout=600)
+        assert not ran.exists(), expected
 
 
 def test_bwrap_takes_its_half_started_sandbox_down_with_it(tmp_path: Path) -> None:

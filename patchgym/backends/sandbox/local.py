@@ -53,7 +53,7 @@ from patchgym.core.sandbox import (
     SandboxSpec,
     confine_path,
 )
-from patchgym.process_groups import killed_with_parent
+from patchgym.process_groups import PARENT_CHECK, killed_with_parent
 
 Isolation = Literal["auto", "none", "bwrap"]
 T = TypeVar("T")
@@ -69,24 +69,27 @@ Home directories, /srv, /mnt, /work and the like stay hidden, and with them ever
 (gold patches, hidden tests, oracles) kept on this host."""
 
 
-_PID_NAMESPACE_INIT = ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child")
-"""What starts bwrap: its PID 1 in new user and PID namespaces, SIGKILLed when `unshare` dies.
+_PID_NAMESPACE_INIT = 'exec unshare --user --map-root-user --pid --fork --kill-child -- sh -c "$0" "$$" "$@"'
+"""sh: run "$@" (bwrap) as PID 1 of new user and PID namespaces, SIGKILLed when `unshare` dies.
 
 When PID 1 of a namespace dies, the kernel kills every process in it. bwrap's own
 `--die-with-parent` arms its sandbox process only once that process is set up: if bwrap died
 before (its driver SIGKILLed, or asyncio killing only the process it started when a start is
 cancelled), the half-set-up sandbox process was left waiting forever, or ran its command with
 no one to stop it (containers/bubblewrap#633). As PID 1 here, bwrap takes it down with it.
-`unshare` itself dies with the driver (`killed_with_parent`). One window is left: util-linux
-2.38 (the version checked here) arms its child's parent-death signal a few instructions after
-the fork, and a driver dying in between leaves that sandbox running; later versions check for
-it (pidfd)."""
+`unshare` itself dies with the driver (`killed_with_parent`). unshare's child arms its own
+parent-death signal a few instructions after the fork (util-linux 2.38 does not check that its
+parent still lives then), so a driver dying in between left that child to start bwrap with no
+one to stop it; under load that window was hit. The child therefore runs `PARENT_CHECK` first
+($0 is `$$`, the pid this shell keeps when it becomes `unshare`): the host's /proc, still
+mounted there, shows its real parent, and a child whose `unshare` is gone runs nothing."""
 
 
 def _bwrap_argv(options: list[str], command: list[str]) -> list[str]:
     """`command` under bwrap with `options` (see `_PID_NAMESPACE_INIT`); it runs as this user."""
     user = ["--unshare-user", "--uid", str(os.getuid()), "--gid", str(os.getgid())]  # unshare made bwrap root
-    return [*_PID_NAMESPACE_INIT, "bwrap", "--die-with-parent", *user, "--unshare-pid", *options, "--", *command]
+    bwrap = ["bwrap", "--die-with-parent", *user, "--unshare-pid", *options, "--", *command]
+    return ["sh", "-c", _PID_NAMESPACE_INIT, PARENT_CHECK, *bwrap]
 
 
 def _bwrap_problem() -> str | None:
