@@ -400,17 +400,21 @@ def report(
     ],
 ) -> None:
     """Write PNG plots and a markdown summary of each run into RUN_DIR/report; print the group
-    accounting, and with several runs their step-time split, endings and scores side by side."""
-    from patchgym.report import compare_outcomes, compare_step_split, write_report
+    accounting, and with several runs their step-time split, endings and scores side by side (their
+    endings also plotted together, into the first run's report folder)."""
+    from patchgym.report import compare_endings, compare_outcomes, compare_step_split, write_report
 
     try:
         for run_dir in run_dirs:
             out = write_report(run_dir)
-            console.print(f"wrote {escape(str(out))}: reward.png, step_time.png, lengths.png, sandbox.png, summary.md")
+            written = "reward.png, step_time.png, lengths.png, sandbox.png, endings.png, summary.md"
+            console.print(f"wrote {escape(str(out))}: {written}")
             console.print((out / "summary.md").read_text(), markup=False, highlight=False, soft_wrap=True)
         if len(run_dirs) > 1:
             for table in (compare_step_split(run_dirs), compare_outcomes(run_dirs)):
                 console.print(table, markup=False, highlight=False, soft_wrap=True)
+            plot = compare_endings(run_dirs, Path(run_dirs[0]) / "report")
+            console.print(f"wrote {escape(str(plot))}: the runs' endings per step together")
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -5,7 +5,8 @@ steps), step_time.png (stacked split of each step's time), lengths.png (trajecto
 termination reason, training and evaluation apart), sandbox.png (phase times per trajectory, log
 scale), endings.png (submit rate and turn-cap share per step), and summary.md (with the group
 accounting and the step-time split). `compare_step_split` and `compare_outcomes` put the step-time
-split, and how episodes ended and scored, of several runs side by side.
+split, and how episodes ended and scored, of several runs side by side; `compare_endings` plots
+their endings together.
 
 The step-time split: generation (the trainer waiting for rollouts), training (the actor update),
 weight sync, and orchestration (the rest of the step's wall time). There is no separate log-prob
@@ -130,17 +131,23 @@ def _sandbox_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
-def _endings_plot(steps: list[dict[str, Any]], out: Path) -> None:
+def endings_plot(runs: dict[str, list[dict[str, Any]]], out: Path, name: str = "endings.png") -> Path:
+    """Plot the submit rate and the turn-cap share per step of each run (label -> its step events)
+    in two panels into `out/name`; returns the file."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    x = [s["step"] for s in steps]
-    for key, label in (("submit_rate", "submitted"), ("turn_cap_share", "ended at the turn cap")):
-        ax.plot(x, [s.get(key, 0.0) for s in steps], label=label)
-    ax.set(xlabel="step", ylabel="share of the step's episodes", title="How episodes ended", ylim=(-0.05, 1.05))
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    panels = (("submit_rate", "submitted"), ("turn_cap_share", "ended at the turn cap"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for label, steps in runs.items():
+            ax.plot([s["step"] for s in steps], [s.get(key, 0.0) for s in steps], label=label)
+        ax.set(xlabel="step", title=title, ylim=(-0.05, 1.05))
+        ax.legend(fontsize=8, loc="best")
+    axes[0].set_ylabel("share of the step's episodes")
+    fig.suptitle("How training episodes ended")
     fig.tight_layout()
-    fig.savefig(out / "endings.png", dpi=110)
+    fig.savefig(out / name, dpi=110)
     plt.close(fig)
+    return out / name
 
 
 def _summary(steps: list[dict[str, Any]], trajectories: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
@@ -211,6 +218,12 @@ def compare_step_split(run_dirs: list[str | Path]) -> str:
     return "\n".join(["# Step-time split, mean per step", "", *lines]) + "\n"
 
 
+def compare_endings(run_dirs: list[str | Path], out: Path) -> Path:
+    """Plot the submit rate and turn-cap share per step of several runs together into
+    `out/endings_compared.png`; returns the file."""
+    return endings_plot({str(d): read_events(d, "step") for d in run_dirs}, out, "endings_compared.png")
+
+
 def compare_outcomes(run_dirs: list[str | Path], window: int = 10) -> str:
     """A markdown table of how several runs' training episodes ended and scored (submit rate, turn-cap
     share and reward, each a mean over the first and over the last `window` steps) and of their
@@ -251,6 +264,6 @@ def write_report(run_dir: str | Path) -> Path:
     _step_time_plot(steps, out)
     _lengths_plot(trajectories, out)
     _sandbox_plot(trajectories, out)
-    _endings_plot(steps, out)
+    endings_plot({Path(run_dir).name: steps}, out)
     (out / "summary.md").write_text(_summary(steps, trajectories, evals))
     return out

@@ -99,7 +99,7 @@ def test_the_issue_hides_where_and_only_grep_shows_it(tmp_path: Path) -> None:
 
 def test_the_issue_names_the_function_in_the_tokens_grep_needs(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The name follows a space in the issue as in `grep -n NAME`, so the tiny model's byte-level BPE
-    cuts it into the same tokens in both and the policy can copy it (`\`name\`` came out as other tokens)."""
+    cuts it into the same tokens in both and the policy can copy it (a name in backquotes came out as other tokens)."""
     from transformers import AutoTokenizer
 
     tokenizer: Any = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
+import matplotlib.axes
 import pytest
 from typer.testing import CliRunner
 
@@ -134,9 +136,9 @@ def test_report_checks_the_group_accounting_and_compares_step_splits(tmp_path: P
     assert f"| part | {runs[0]} | {runs[1]} |" in output and "| generation | 1.00 s (25%) | 1.00 s (25%) |" in output
 
 
-def test_report_compares_how_episodes_ended_and_scored(tmp_path: Path) -> None:
+def test_report_compares_how_episodes_ended_and_scored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two settings side by side: submit rate, turn-cap share and reward over the first and last
-    steps, and pass@1 per stage (a stage one run lacks is a dash)."""
+    steps, and pass@1 per stage (a stage one run lacks is a dash); their endings plotted together."""
     from patchgym.cli import app
 
     runs = []
@@ -151,10 +153,27 @@ def test_report_compares_how_episodes_ended_and_scored(tmp_path: Path) -> None:
             log.emit("eval", stage="grpo", step=12, pass_at_1=0.5, tasks=4)
         log.close()
         runs.append(run)
+    plotted: list[tuple[str, list[float]]] = []
+    plot = matplotlib.axes.Axes.plot
+
+    def recording_plot(ax: Any, x: Any, y: Any, **kwargs: Any) -> Any:
+        plotted.append((kwargs.get("label", ""), list(y)))
+        return plot(ax, x, y, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording_plot)
     result = CliRunner().invoke(app, ["report", *map(str, runs)])
     assert result.exit_code == 0, result.output
     output = " ".join(result.output.split())
     assert f"| figure | {runs[0]} | {runs[1]} |" in output
+    # the compared plot, after each run's own: both runs' submit rates, then both turn-cap shares
+    assert (runs[0] / "report" / "endings_compared.png").stat().st_size > 0
+    rates = {name: [submit + 0.03 * step for step in range(1, 13)] for name, submit in (("graded", 0.2), ("zero", 0.6))}
+    assert plotted[-4:] == [
+        (str(runs[0]), rates["graded"]),
+        (str(runs[1]), rates["zero"]),
+        (str(runs[0]), [1 - r for r in rates["graded"]]),
+        (str(runs[1]), [1 - r for r in rates["zero"]]),
+    ]
     # graded: steps 1-10 give 0.2 + 0.03 * 5.5 = 0.365, steps 3-12 give 0.2 + 0.03 * 7.5 = 0.425
     assert "| submitted, first 10 steps | 36.5% | 76.5% |" in output
     assert "| submitted, last 10 steps | 42.5% | 82.5% |" in output
