@@ -1,7 +1,7 @@
 """A Harbor environment provider that runs on this machine, for testing the harbor backend.
 
 Harbor's own local provider (docker) drives `docker compose` v2 and creates a network per trial,
-neither of which this test machine allows (see README, "Harbor"). This provider implements
+neither of which this test machine allows (see docs/sandboxes.md). This provider implements
 Harbor's `BaseEnvironment` contract over `tests.private_root.PrivateRoot` (private
 `/workspace`, `/tmp`, `/home`, host tools read-only, processes under bubblewrap) and is loaded by
 Harbor through `import_path="tests.harbor_local_env:LocalEnvironment"`, exactly as a

@@ -26,7 +26,7 @@ from patchgym.pipeline.run import check_files, check_parts, model_dir
 
 NO_GPU_PLACEMENT = (
     "the Megatron trainer keeps its model on the CPU: it has no GPU placement yet, so on GPU machines its ranks "
-    "do not run (README, Scaling out)"
+    "do not run (docs/recipes/gpu.md)"
 )
 
 
