@@ -139,14 +139,21 @@ def plan_run(config: RunConfig, command: Sequence[str], placer: Placer | None = 
     if config.cluster is not None:
         plan = _cluster_plan(config, command, model, ports, estimator, notes)
     else:
-        plan = (placer or LocalPlacer()).place(_local_plan(config, command, model, ports, estimator, notes))
+        placer = placer or LocalPlacer()
+        plan = placer.place(_local_plan(config, command, model, ports, estimator, notes, placer.name))
     if ports.given:
         plan = replace(plan, notes=(*plan.notes, _ports_note(ports)))
     return plan
 
 
 def _local_plan(
-    config: RunConfig, command: Sequence[str], model: Path, ports: PlannedPorts, estimator: Estimator, notes: list[str]
+    config: RunConfig,
+    command: Sequence[str],
+    model: Path,
+    ports: PlannedPorts,
+    estimator: Estimator,
+    notes: list[str],
+    placement: str,
 ) -> LaunchPlan:
     """Every process on this machine: the driver as trainer rank 0, the ranks it starts, the engines."""
     device = Device.here()
@@ -192,7 +199,7 @@ def _local_plan(
             "a GPU's memory; on a machine with too few GPUs the run stops (list the nodes under cluster: to check)"
         )
     return LaunchPlan(
-        placement=LOCAL,
+        placement=placement,
         processes=(driver, *processes),
         layout=layout,
         engine_urls=engines.engine_urls,
