@@ -17,7 +17,15 @@ import pytest
 import yaml
 
 from patchgym.core.errors import ConfigError
-from patchgym.launch.cluster import ClusterSettings, RayPlacement, RolePlacement, plan_placement, rank_order
+from patchgym.launch.cluster import (
+    ClusterNode,
+    ClusterSettings,
+    RayPlacement,
+    RolePlacement,
+    plan_placement,
+    rank_order,
+)
+from patchgym.launch.placement import Slot, place_roles
 from patchgym.pipeline.config import RunConfig
 from tests.pipeline_support import merged, run_config
 
@@ -146,3 +154,82 @@ def test_a_run_without_a_cluster_never_imports_ray(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=850)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "ray not imported"
+
+
+# -- the nodes the dry run places on -----------------------------------------------------------------
+def nodes(*specs: dict[str, Any]) -> list[ClusterNode]:
+    return ClusterSettings.model_validate({"backend": "ray", "nodes": list(specs)}).node_list()
+
+
+def role(name: str, count: int, strategy: str = "PACK", **bundle: float) -> RolePlacement:
+    return RolePlacement(name, count, {"CPU": 1.0, **bundle}, strategy)  # type: ignore[arg-type]
+
+
+def where(slots: list[Slot]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(slot.node.name, slot.gpus) for slot in slots]
+
+
+def test_nodes_expand_and_are_named_once() -> None:
+    found = nodes({"name": "a", "address": "10.0.0.1", "gpus": 8}, {"name": "b", "count": 2, "gpus": 4})
+    assert [(n.name, n.address, n.gpus) for n in found] == [("a", "10.0.0.1", 8), ("b-0", "b-0", 4), ("b-1", "b-1", 4)]
+    with pytest.raises(ConfigError, match="names b-0 more than once"):
+        nodes({"name": "b", "count": 2}, {"name": "b-0"})
+    with pytest.raises(ConfigError, match="address names one node, but count is 2"):
+        nodes({"name": "b", "count": 2, "address": "10.0.0.2"})
+    with pytest.raises(ValueError, match="extra"):
+        nodes({"name": "a", "gpu": 8})
+
+
+def test_roles_take_gpus_by_resources_and_strategy() -> None:
+    """Engines first, then the ranks, sharing each node's GPUs; custom resources pin a role to its nodes."""
+    cluster = nodes(
+        {"name": "t", "gpus": 8, "resources": {"trainer_node": 8}},
+        {"name": "i", "count": 2, "gpus": 8, "resources": {"engine_node": 8}},
+    )
+    engines, trainer = role("engines", 12, GPU=1, engine_node=1), role("trainer", 8, GPU=1, trainer_node=1)
+    slots = place_roles([engines, trainer], cluster)
+    assert where(slots["engines"]) == [("i-0", (g,)) for g in range(8)] + [("i-1", (g,)) for g in range(4)]
+    assert where(slots["trainer"]) == [("t", (g,)) for g in range(8)]
+    shared = nodes({"name": "n", "count": 2, "gpus": 8})
+    slots = place_roles([role("engines", 2, GPU=2), role("trainer", 4, "SPREAD", GPU=1)], shared)
+    assert where(slots["engines"]) == [("n-0", (0, 1)), ("n-0", (2, 3))]  # PACK: one node while it fits
+    assert where(slots["trainer"]) == [("n-0", (4,)), ("n-1", (0,)), ("n-0", (5,)), ("n-1", (1,))]  # SPREAD
+    halves = place_roles([role("engines", 3, GPU=0.5)], shared)["engines"]
+    assert where(halves) == [("n-0", (0,)), ("n-0", (0,)), ("n-0", (1,))]  # shares of one GPU
+    assert where(place_roles([role("trainer", 2, "STRICT_SPREAD", GPU=1)], shared)["trainer"]) == [
+        ("n-0", (0,)), ("n-1", (0,)),
+    ]  # fmt: skip
+
+
+def test_a_bundle_that_fits_nowhere_says_what_is_free() -> None:
+    cluster = nodes({"name": "one", "gpus": 8, "cpus": 16})
+    with pytest.raises(ConfigError, match=r"cluster.engines: engine 8 of 9 .* \(one: 0 of 8 GPUs free, 8 CPUs\)"):
+        place_roles([role("engines", 9, GPU=1)], cluster)
+    with pytest.raises(ConfigError, match="trainer rank 0 of 1 .*fits on no node"):
+        place_roles([role("trainer", 1, GPU=1, trainer_node=1)], cluster)  # no node offers trainer_node
+    with pytest.raises(ConfigError, match="the 3 trainer .*all on one node"):
+        place_roles([role("trainer", 3, "STRICT_PACK", GPU=4)], cluster)
+    with pytest.raises(ConfigError, match="trainer rank 1 of 2 .*each on its own node"):
+        place_roles([role("trainer", 2, "STRICT_SPREAD", GPU=1)], cluster)
+
+
+def test_ray_start_settings_are_refused_in_cluster_env() -> None:
+    """RAY_EXPERIMENTAL_NOSET_* decide which GPUs Ray's workers see where `ray start` runs: not a run's setting."""
+    with pytest.raises(ValueError, match="RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES belong in the environment of "
+                       "`ray start` on every node, not in cluster.env"):  # fmt: skip
+        ClusterSettings.model_validate(
+            {"backend": "ray", "env": {"RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1", "NCCL_DEBUG": "WARN"}}
+        )
+    assert ClusterSettings.model_validate({"backend": "ray", "env": {"NCCL_DEBUG": "WARN"}}).env == {
+        "NCCL_DEBUG": "WARN"
+    }
+
+
+def test_each_ray_rank_gets_the_threads_its_bundle_reserves() -> None:
+    """Without `threads`, torch in a Ray rank actor uses every core of its node, as many times as ranks share it."""
+    settings = ClusterSettings.model_validate({"backend": "ray", "trainer": {"num_cpus": 4}})
+    placement = plan_placement(settings, {"tp": 2, "dp": 2, "lr": 1e-5}, {})
+    assert placement.rank_options({"tp": 2, "dp": 2, "lr": 1e-5}) == {"threads": 4, "tp": 2, "lr": 1e-5}
+    assert placement.rank_options({"threads": 2})["threads"] == 2  # the config's own value wins
+    fraction = plan_placement(ClusterSettings.model_validate({"backend": "ray", "trainer": {"num_cpus": 0.5}}), {}, {})
+    assert fraction.rank_options({})["threads"] == 1

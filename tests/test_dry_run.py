@@ -25,7 +25,6 @@ from patchgym.core.plugins import registry
 from patchgym.launch.context import run_logs
 from patchgym.launch.plan import LaunchPlan, PlannedPorts, ProcessPlan
 from patchgym.launch.processes import Supervisor
-from patchgym.launch.ranks import RankSpec
 from patchgym.pipeline.config import load_run_config
 from patchgym.pipeline.dry_run import plan_run
 from tests.test_reference_config import QWEN3_30B_A3B
@@ -58,36 +57,48 @@ def write_config(tmp_path: Path, source: Path, changes: dict[str, Any]) -> Path:
 
 
 # -- the plan ------------------------------------------------------------------------------------
-def test_reference_plan_places_the_recipe() -> None:
+def test_reference_plan_places_the_recipe_on_its_nodes() -> None:
+    """The reference's cluster block: 24 engines on the three inference nodes, 8 ranks on the trainer node,
+    each with its GPU, the engines' server commands as their actors run them, and a memory estimate each."""
     plan = plan_of(REFERENCE)
+    assert plan.placement == "ray"
     engines = [p for p in plan.processes if p.role == "engine"]
-    assert len(engines) == 24 and [p.where.gpus for p in engines] == [(i,) for i in range(24)]
-    assert [flag(p.argv, "--base-gpu-id") for p in engines] == [str(i) for i in range(24)]
+    assert len(engines) == 24
+    assert [(p.where.node, p.where.gpus) for p in engines] == [(f"inference-{i // 8}", (i % 8,)) for i in range(24)]
+    assert [flag(p.argv, "--host") for p in engines] == [f"inference-{i // 8}" for i in range(24)]
+    assert {flag(p.argv, "--base-gpu-id") for p in engines} == {"0"}  # Ray shows each actor only its GPU
     assert len({flag(p.argv, "--port") for p in engines}) == 24
     for engine in engines:
         assert engine.argv[1:3] == ("-m", "sglang.launch_server") and engine.argv[0] == sys.executable
         assert flag(engine.argv, "--context-length") == str(65536 + SERVER_CONTEXT_HEADROOM)
         assert flag(engine.argv, "--mem-fraction-static") == "0.7" and "--device" not in engine.argv
         assert engine.env["SGLANG_USE_AITER"] == "1" and engine.env["HF_HUB_OFFLINE"] == "1"
-        assert engine.where.resources == {"GPU": 1}
+        assert engine.env["NCCL_SOCKET_IFNAME"] == "ens50f0"  # the cluster's actor environment
+        assert engine.where.resources == {"CPU": 1.0, "GPU": 1.0, "engine_node": 1.0}
+        assert engine.memory is not None and engine.memory.facts["kv_tokens"] > 1_400_000
     (router,) = [p for p in plan.processes if p.role == "router"]
     workers = router.argv.index("--worker-urls")
     assert list(router.argv[workers + 1 : workers + 25]) == list(plan.engine_urls) == [p.url for p in engines]
+    assert router.where.node == "local" and plan.engine_urls[0].startswith("http://inference-0:")
     assert plan.layout == MegatronLayout(tp=4, pp=1, dp=2, ep=8, etp=1)
-    assert plan.ranks_by_node() == {"local": list(range(8))}
-    driver, followers = plan.processes[0], [p for p in plan.processes if p.role == "trainer"]
-    assert driver.rank == 0 and [p.rank for p in followers] == list(range(1, 8))
-    for process in followers:
-        spec = RankSpec.from_json(process.argv[-1])
-        assert (spec.rank, spec.rendezvous.world_size, spec.model) == (process.rank, 8, QWEN_PATH)
-        assert spec.options["ep"] == 8 and spec.options["etp"] == 1 and "dp" not in spec.options
-        assert process.coords == plan.layout.coords(process.rank)
+    assert plan.ranks_by_node() == {"trainer": list(range(8))}
+    ranks = [p for p in plan.processes if p.role == "trainer"]
+    assert [(p.rank, p.where.gpus, p.where.host) for p in ranks] == [(r, (r,), "10.0.0.1") for r in range(8)]
+    assert all(p.coords == plan.layout.coords(p.rank or 0) and p.argv == () for p in ranks)  # Ray actors
+    for rank in ranks:
+        assert rank.memory is not None and rank.memory.fits and rank.memory.device_bytes == 288e9
+        assert set(rank.memory.parts) >= {"parameters", "gradients", "optimizer", "activations", "weight sync"}
+    assert plan.processes[0].rank is None  # the driver drives rank 0's actor
     assert any("is not a folder" in note for note in plan.notes)  # the model is not on this machine
-    assert json.loads(json.dumps(plan.to_dict()))["layout"]["world"] == 8
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["layout"]["world"] == 8 and data["gpus_by_node"]["inference-2"]["gpus"] == 8
+    entry = next(p for p in data["processes"] if p["name"] == "trainer-rank-3")
+    assert (entry["where"]["node"], entry["where"]["gpus"], entry["memory"]["fits"]) == ("trainer", [3], True)
+    assert entry["memory"]["parts_gb"]["parameters"] == pytest.approx(8.0, rel=0.02)
 
 
-def test_a_placer_decides_where_each_process_runs() -> None:
-    """The placement is one input: a cluster placer fills `Where`, and the plan groups ranks by node from it."""
+def test_a_placer_decides_where_each_process_runs(tmp_path: Path) -> None:
+    """Without cluster: the placement is one input: a placer fills `Where`, and the plan groups ranks by node."""
 
     class TwoNodes:
         name = "two-nodes"
@@ -99,7 +110,7 @@ def test_a_placer_decides_where_each_process_runs() -> None:
 
             return replace(plan, processes=tuple(where(p) for p in plan.processes))
 
-    config = load_run_config(REFERENCE)
+    config = load_run_config(write_config(tmp_path, REFERENCE, {"cluster": None, **APART}))
     plan = plan_run(config, ["patchgym", "run"], placer=TwoNodes())
     assert plan.placement == "two-nodes" and plan.ranks_by_node() == {"trainer-node": list(range(8))}
     assert plan.nodes()["inference-node"] == [*(f"sglang-engine-{i}" for i in range(24)), "sglang-router"]
@@ -107,12 +118,51 @@ def test_a_placer_decides_where_each_process_runs() -> None:
     assert plan_run(config, ["patchgym", "run"]).ranks_by_node() == {"local": list(range(8))}
 
 
+APART = {"inference": {"options": {"max_context": 65536, "launch": {"engines": 24, "gpus": list(range(8, 32))}}}}
+"""The reference's engines on GPUs 8-31 of one machine, apart from the ranks' 0-7."""
+
+
+def test_one_host_gpus_given_twice_are_an_error_naming_them(tmp_path: Path) -> None:
+    """The reference's layout forced onto one machine (no cluster:): the engines' GPUs 0-23 and the ranks'
+    0-7 overlap, and the dry run refuses it naming every shared GPU and its two holders."""
+    result = runner.invoke(app, ["run", "--dry-run", str(write_config(tmp_path, REFERENCE, {"cluster": None}))])
+    shown = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "GPUs 0-7 of node local are given twice (GPU 0: driver and sglang-engine-0, GPU 1: sglang-engine-1 " \
+        "and trainer-rank-1," in shown  # fmt: skip
+    assert "GPU 7: sglang-engine-7 and trainer-rank-7)" in shown and "cluster: with nodes" in shown
+    apart = write_config(tmp_path, REFERENCE, {"cluster": None, **APART})
+    plan = plan_run(load_run_config(apart), ["patchgym", "run"])
+    assert [p.where.gpus for p in plan.processes if p.rank is not None] == [(r,) for r in range(8)]
+    assert any("this machine shows no GPU" in note for note in plan.notes)
+    one_node = {"nodes": [{"name": "one", "gpus": 8, "resources": {"trainer_node": 8, "engine_node": 8}}]}
+    crowded = write_config(tmp_path, REFERENCE, {"cluster": one_node})
+    result = runner.invoke(app, ["run", "--dry-run", str(crowded)])
+    assert result.exit_code == 2 and "cluster.engines: engine 8 of 24" in " ".join(result.output.split())
+    assert "fits on no node of cluster.nodes (one: 0 of 8 GPUs free" in " ".join(result.output.split())
+
+
+def test_what_does_not_fit_its_gpu_is_refused_with_the_setting_to_change(tmp_path: Path) -> None:
+    dense = {"trainer": {"options": {**load_run_config(REFERENCE).trainer.options, "micro_batch_tokens": 262144}}}
+    result = runner.invoke(app, ["run", "--dry-run", str(write_config(tmp_path, REFERENCE, dense))])
+    shown = " ".join(result.output.split())
+    assert result.exit_code == 2 and "trainer-rank-0 needs about" in shown and "its GPU has 288 GB" in shown
+    assert "micro_batch_tokens=262144" in shown and "recompute: selective or full" in shown
+    small = {"nodes": [{"name": "n", "count": 4, "gpus": 8, "gpu_memory_gb": 80,
+                       "resources": {"trainer_node": 2, "engine_node": 6}}]}  # fmt: skip
+    result = runner.invoke(app, ["run", "--dry-run", str(write_config(tmp_path, REFERENCE, {"cluster": small}))])
+    shown = " ".join(result.output.split())
+    assert result.exit_code == 2 and "sglang-engine-0: its weights take 61.1 GB per GPU" in shown, result.output
+
+
 def test_the_launch_starts_what_the_plan_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real launchers (the registry's sglang and megatron factories, as the pipeline builds them)
     start exactly the processes the dry run shows: same names, command lines and environments."""
     pytest.importorskip("megatron.core")
     changes = {
-        "inference": {"options": {"max_context": 1024, "launch": {"engines": 2, "python": "/opt/sgl/bin/python"}}},
+        "inference": {
+            "options": {"max_context": 1024, "launch": {"engines": 2, "python": "/opt/sgl/bin/python", "gpus": [4, 5]}}
+        },
         "trainer": {"options": {"tp": 2, "pp": 1, "dp": 2, "lr": 0.001}},
     }
     config = load_run_config(write_config(tmp_path, CPU_STACK, changes))
@@ -193,10 +243,10 @@ def test_rendered_sglang_arguments_pass_sglangs_own_parser() -> None:
     assert refused == {"refused": 2}  # the parser is strict: an unknown flag is refused
     assert len(parsed) == 24 + 2 and not [p for p in parsed if "refused" in p], parsed
     for engine, args in zip([p for path in engines for p in engines[path]], parsed, strict=True):
-        assert args["port"] == int(flag(engine.argv, "--port")) and args["host"] == "127.0.0.1"
+        assert args["port"] == int(flag(engine.argv, "--port")) and args["host"] == flag(engine.argv, "--host")
         assert args["model_path"] == flag(engine.argv, "--model-path")
     reference, cpu = parsed[:24], parsed[24:]
-    assert [a["base_gpu_id"] for a in reference] == list(range(24))
+    assert [a["base_gpu_id"] for a in reference] == [0] * 24  # each Ray actor sees only its own GPU
     assert all(
         a["context_length"] == 65536 + SERVER_CONTEXT_HEADROOM and a["mem_fraction_static"] == 0.7 for a in reference
     )
@@ -273,7 +323,9 @@ def test_a_bad_layout_is_a_clear_error_with_exit_2(tmp_path: Path) -> None:
     # with the model's config.json here, its shape is checked too
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "model_type": "qwen3_moe"}))
+    (model / "config.json").write_text(
+        json.dumps({**QWEN3_30B_A3B, "model_type": "qwen3_moe", "torch_dtype": "bfloat16"})
+    )
     fits = write_config(tmp_path, REFERENCE, {"model": {"path": str(model)}})
     result = runner.invoke(app, ["run", "--dry-run", str(fits)])
     assert result.exit_code == 0 and "splits as the layout needs" in result.output, result.output
@@ -337,4 +389,4 @@ def test_dry_run_starts_no_process_and_binds_no_port(tmp_path: Path) -> None:
     assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()
     done, seen = audited(tmp_path, "run", "--dry-run", "--json", str(REFERENCE))
     assert done.returncode == 0 and seen == [], (seen, done.stderr[-2000:])
-    assert len(json.loads(done.stdout)["processes"]) == 1 + 24 + 1 + 7
+    assert len(json.loads(done.stdout)["processes"]) == 1 + 24 + 1 + 8

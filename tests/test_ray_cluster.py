@@ -83,6 +83,7 @@ def check_addresses(launch: dict[str, Any], node_ids: dict[str, str]) -> None:
     assert (engine["address"], engine["node_id"]) == (NODE2, node_ids[NODE2])
     assert engines["urls"][0].startswith(f"http://{NODE2}:") and engines["router_url"].startswith("http://127.0.0.1:")
     assert launch["trainer"]["ranks_started_by"] == "ray" and launch["trainer"]["tp"] == 2
+    assert launch["trainer"]["threads"] == 1  # cluster.trainer.num_cpus, not every core of the node
 
 
 def check_syncs(run_dir: Path) -> list[dict[str, Any]]:

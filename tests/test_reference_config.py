@@ -73,3 +73,23 @@ def test_tp4_ep8_layout_is_accepted_by_megatron_core() -> None:
     RankGenerator(tp=layout.etp, ep=layout.ep, dp=layout.expert_dp, pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp")
     with pytest.raises(ConfigError, match="lower etp"):
         MegatronLayout.for_world(8, tp=4, pp=1, ep=8, etp=4)  # experts TP-split like the dense layers: 8 / 4 < 8
+
+
+@pytest.mark.parametrize("path", sorted(REFERENCE.parent.parent.rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_scores_an_unsubmitted_episode_zero(path: Path) -> None:
+    """README: every shipped config uses `env.unsubmitted: zero` (with `graded`, GRPO drifted to the turn cap)."""
+    assert load_run_config(path).env.unsubmitted == "zero"
+
+
+def test_reference_cluster_places_on_four_nodes_and_leaves_ray_start_settings_to_ray_start() -> None:
+    """The cluster block is live (not commented out): one trainer node and three inference nodes of 8 GPUs,
+    each role pinned to its nodes by a custom resource; RAY_EXPERIMENTAL_NOSET_* is the image's, not the run's."""
+    cluster = load_run_config(REFERENCE).cluster
+    assert cluster is not None and cluster.backend == "ray"
+    assert [(n.name, n.gpus, n.gpu_memory_gb) for n in cluster.node_list()] == [
+        ("trainer", 8, 288), ("inference-0", 8, 288), ("inference-1", 8, 288), ("inference-2", 8, 288),
+    ]  # fmt: skip
+    assert cluster.trainer.resources == {"trainer_node": 1} and cluster.engines.resources == {"engine_node": 1}
+    assert not any(name.startswith("RAY_EXPERIMENTAL_NOSET_") for name in cluster.env)
+    dockerfile = (REFERENCE.parent.parent.parent / "deploy" / "Dockerfile.rocm").read_text()
+    assert "ENV RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES=1" in dockerfile

@@ -9,6 +9,9 @@ cluster:
   env: {HIP_FORCE_DEV_KERNARG: "1"}  # for every trainer rank and engine started on the cluster
   trainer: {num_gpus: 1, resources: {trainer_node: 1}}   # each trainer rank's bundle
   engines: {num_gpus: 1}                                 # each engine's bundle (default: its tp GPUs)
+  nodes:                             # the cluster's nodes, for `patchgym run --dry-run` to place on
+    - {name: trainer, address: 10.0.0.1, gpus: 8, gpu_memory_gb: 288, resources: {trainer_node: 8}}
+    - {name: inference, count: 3, gpus: 8, gpu_memory_gb: 288, resources: {engine_node: 8}}
 ```
 
 `ClusterSettings` is that block; `RayPlacement` is what it asks of the cluster for one run: a
@@ -25,11 +28,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from patchgym.core.errors import ConfigError
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+RAY_START_PREFIX = "RAY_EXPERIMENTAL_NOSET_"
+"""Variables Ray reads where `ray start` runs (which GPUs a worker sees), not from a run's actors."""
 
 
 class RoleResources(BaseModel):
@@ -45,6 +50,33 @@ class RoleResources(BaseModel):
         default_factory=dict, description="custom resources per member, e.g. {node1: 1} to pin it to a node"
     )
     strategy: Strategy = Field("PACK", description="placement group strategy of the role's bundles")
+
+
+class ClusterNode(BaseModel):
+    """A node of the cluster (or `count` alike), as `patchgym run --dry-run` places on it: Ray places the
+    real run on the nodes it has, by the same resources (pin roles to nodes with custom resources)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="its name in the plan (with count > 1: NAME-0, NAME-1, ...)")
+    count: int = Field(1, ge=1, description="how many nodes alike")
+    address: str | None = Field(None, description="its address (count 1; default: its name)")
+    gpus: int = Field(0, ge=0, description="GPUs on the node")
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, description="memory of each GPU in GB (10^9 bytes; MI355X 288, H200 141, H100 80): the dry run "
+        "checks each process's memory estimate against it"
+    )  # fmt: skip
+    cpus: float | None = Field(None, gt=0, description="logical CPUs Ray offers (default: not checked)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources (ray start --resources)")
+
+    def expand(self) -> list[ClusterNode]:
+        """One `ClusterNode` per node (names NAME-i when count > 1)."""
+        if self.count == 1:
+            return [self.model_copy(update={"address": self.address or self.name})]
+        if self.address is not None:
+            raise ConfigError(f"cluster.nodes {self.name!r}: address names one node, but count is {self.count}")
+        names = [f"{self.name}-{i}" for i in range(self.count)]
+        return [self.model_copy(update={"name": name, "count": 1, "address": name}) for name in names]
 
 
 class ClusterSettings(BaseModel):
@@ -70,6 +102,32 @@ class ClusterSettings(BaseModel):
     check_timeout_s: float = Field(
         10.0, gt=0, description="how long a liveness check (before each weight sync, after a failed call) waits"
     )
+    nodes: list[ClusterNode] = Field(
+        default_factory=list,
+        description="the cluster's nodes, for `--dry-run` to place trainer ranks and engines on (Ray places the "
+        "real run); none: the dry run shows the placement groups without nodes",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _not_ray_start_settings(cls, env: dict[str, str]) -> dict[str, str]:
+        misplaced = sorted(name for name in env if name.startswith(RAY_START_PREFIX))
+        if misplaced:
+            raise ValueError(
+                f"{', '.join(misplaced)} belong in the environment of `ray start` on every node, not in cluster.env "
+                "(Ray decides which GPUs its workers see where `ray start` runs; an actor's environment comes too "
+                f"late): e.g. `{misplaced[0]}=1 ray start ...` (deploy/Dockerfile.rocm sets it), and drop it here"
+            )
+        return env
+
+    def node_list(self) -> list[ClusterNode]:
+        """`nodes`, one entry per node; names must be unique."""
+        found = [node for spec in self.nodes for node in spec.expand()]
+        names = [node.name for node in found]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ConfigError(f"cluster.nodes names {', '.join(twice)} more than once")
+        return found
 
     def actor_env(self) -> dict[str, str]:
         """The environment every rank and engine gets: the pinned interfaces, then `env`."""
@@ -154,6 +212,14 @@ class RayPlacement:
             dp=dp,
             env=settings.actor_env(),
         )
+
+    def rank_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """What each rank actor's `MegatronTrainer` gets from the megatron backend's `options`: all but dp
+        (the ranks' world says it), with `threads` (unless given) the CPUs each rank's bundle reserves,
+        at least 1: torch's default, every core of the node, makes the ranks on a node spin in each
+        other's way."""
+        threads = max(1, int(self.trainer.bundle.get("CPU", 1)))
+        return {"threads": threads, **{k: v for k, v in options.items() if k != "dp"}}
 
     def stage_leader(self, stage: int) -> int:
         """The rank that sends pipeline stage `stage`'s weights (tensor and data-parallel rank 0).

@@ -201,22 +201,16 @@ def plan_group(
     router_options: Mapping[str, Any] | None = None,
 ) -> SGLangPlan:
     """`launch.engines` servers, each on a port from `ports` and its GPUs (and the router unless `router` is none)."""
-    from patchgym.backends.inference.sglang_launch import server_command
-
     device, tp = runtime.device, launch.tp
     gpus = launch.gpus if launch.gpus is not None else list(range(launch.engines * tp))
     if device == "cuda" and len(gpus) < launch.engines * tp:
         raise ConfigError(f"{launch.engines} engines at tp={tp} need {launch.engines * tp} GPUs")
     base = server_settings(model, launch, max_context=max_context, runtime=runtime)
-    env = server_environment(base, launch)
-    engines, urls = [], []
+    engines = []
     for i in range(launch.engines):
-        settings = replace(base, base_port=ports(), gpus=(gpus[i * tp],))
         own = tuple(gpus[i * tp : (i + 1) * tp]) if device == "cuda" else ()
-        where = Where(host=settings.host, gpus=own, resources={"GPU": tp} if device == "cuda" else {})
-        urls.append(f"http://{settings.host}:{settings.base_port}")
-        argv = tuple(server_command(settings, 0))
-        engines.append(ProcessPlan(f"sglang-engine-{i}", "engine", where, argv, env, url=urls[-1]))
+        engines.append(engine_process(f"sglang-engine-{i}", base, launch, host=base.host, port=ports(), gpus=own))
+    urls = [engine.url or "" for engine in engines]
     front = router_process(urls, router, ports, router_options) if router != "none" else None
     return SGLangPlan(
         engine_urls=tuple(urls),
@@ -225,6 +219,28 @@ def plan_group(
         launch=launch,
         runtime=runtime,
     )
+
+
+def engine_process(
+    name: str,
+    base: SGLangLaunchSettings,
+    launch: EngineLaunch,
+    *,
+    host: str,
+    port: int,
+    gpus: tuple[int, ...],
+    base_gpu: int | None = None,
+) -> ProcessPlan:
+    """One server of the group: `base`'s flags on `host:port`, holding `gpus` (its `--base-gpu-id` is
+    `base_gpu`, default the first of them: a Ray actor that sees only its own GPUs passes 0)."""
+    from patchgym.backends.inference.sglang_launch import server_command
+
+    first = base_gpu if base_gpu is not None else (gpus[0] if gpus else 0)
+    settings = replace(base, host=host, base_port=port, gpus=(first,))
+    cuda = base.device == "cuda"
+    where = Where(host=host, gpus=gpus, resources={"GPU": launch.tp} if cuda else {})
+    argv, env = tuple(server_command(settings, 0)), server_environment(settings, launch)
+    return ProcessPlan(name, "engine", where, argv, env, url=f"http://{host}:{port}")
 
 
 def launch_settings(value: Any) -> EngineLaunch:

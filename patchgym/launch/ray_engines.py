@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,10 @@ import ray
 
 from patchgym.launch.context import log_dir
 from patchgym.launch.engines import (
+    engine_process,
     engine_runtime,
     free_port,
     launch_settings,
-    server_environment,
     server_settings,
     sglang_backend,
 )
@@ -59,21 +58,16 @@ class EngineActor:
 
     def launch(self, model: str, launch: dict[str, Any], max_context: int) -> str:
         """Start the server on this node's address; its URL."""
-        from patchgym.backends.inference.sglang_launch import server_command
-
         settings = launch_settings(launch)
         host = node_address()
         runtime = engine_runtime(settings, build=True)
-        server = replace(
-            server_settings(Path(model), settings, max_context=max_context, runtime=runtime),
-            host=host,
-            base_port=free_port(host),
-            gpus=(base_gpu(ray.get_gpu_ids(), os.environ),),
-        )
+        base = server_settings(Path(model), settings, max_context=max_context, runtime=runtime)
+        gpu = base_gpu(ray.get_gpu_ids(), os.environ)
+        process = engine_process(self.name, base, settings, host=host, port=free_port(host), gpus=(), base_gpu=gpu)
         self.supervisor = Supervisor(self.logs, stop_grace_s=settings.stop_grace_s)
-        environ = {**os.environ, **server_environment(server, settings)}
-        self.supervisor.start(self.name, server_command(server, 0), environ)
-        return f"http://{host}:{server.base_port}"
+        self.supervisor.start(self.name, list(process.argv), process.environ())
+        assert process.url is not None
+        return process.url
 
     def poll(self) -> str | None:
         """None while the server runs; how it ended otherwise."""

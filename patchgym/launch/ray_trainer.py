@@ -207,7 +207,7 @@ def ray_megatron(cluster: RayCluster, model: str | Path, **options: Any) -> RayT
     `RayTrainer.start` forms it); `options` are the megatron backend's (tp, pp, dp, lr, ...)."""
     from patchgym.launch.cluster import rank_order
 
-    options = {k: v for k, v in options.items() if k != "dp"}
+    options = cluster.placement.rank_options(options)
     role = cluster.placement.trainer
     logs = log_dir("trainer")
     logs.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,12 @@ class ModelConfig(_Strict):
 
     path: str | None = None
     init_tiny: dict[str, Any] | None = Field(None, description="Qwen3Config overrides for a new tiny model")
+    hf_config: dict[str, Any] | None = Field(
+        None,
+        description="the model's config.json keys (hidden_size, num_hidden_layers, ...), for `--dry-run` where `path` "
+        "is not on this machine: it checks the layout and estimates memory from them (path/config.json, when "
+        "there, must agree)",
+    )
 
 
 class TasksConfig(_Strict):
