@@ -65,3 +65,9 @@ def without_unmarked_xfails(
     marked = set(marked_files)
     changed = [t for t, s in tests.items() if s is TestStatus.XFAIL and test_file(t, mode) not in marked]
     return {t: (TestStatus.FAILED if t in changed else s) for t, s in tests.items()}, changed
+
+
+def as_pytest_log(tests: dict[str, TestStatus]) -> str:
+    """Recorded statuses as `pytest -rA` summary lines, for a log parser that names tests its own
+    way (swebench's): the text comes from the records, never from what the tests printed."""
+    return "".join(f"{status} {test_id}\n" for test_id, status in tests.items())
