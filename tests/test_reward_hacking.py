@@ -241,7 +241,7 @@ async def test_runner_tampering_without_the_tamper_check_is_held_by_the_verdict(
     must-fail canary (issue 27; before it, this attack scored 1)."""
     reward, info = await play(backend, [heredoc("roman/__init__.py", PATCH_UNITTEST, append=True)], tamper_policy="off")
     assert (reward, reason(info)) == (0.0, "canary")
-    assert info["grade"]["details"]["verdict"]["canary"]["must_fail"] == "PASSED"
+    assert info["grade"]["details"]["verdict"]["canary"]["must_fail"] == ["passed"]
 
 
 async def test_a_chosen_skip_reason_is_not_an_expected_failure(backend: SandboxBackend) -> None:

@@ -90,7 +90,7 @@ async def test_gold_scores_one_and_honest_failures_zero(arena: Arena) -> None:
         graded = await grade(task_set, arena, commands)
         assert (graded["reward"], graded["details"]["reason"]) == (reward, why), (commands, graded["details"])
         verdict = graded["details"]["verdict"]
-        assert verdict["canary"] == {"must_pass": "PASSED", "must_fail": "FAILED"} and not verdict["problems"]
+        assert verdict["canary"] == {"must_pass": ["passed"], "must_fail": ["failed"]} and not verdict["problems"]
 
 
 # -- 1. outcomes rewritten inside the test process (unittest) ---------------------------------

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import posixpath
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
-
-from patchgym.core.tasks import TestStatus
 
 Style = Literal["pytest", "unittest"]
 
@@ -39,20 +38,25 @@ class Canary:
     must_pass: str
     must_fail: str
 
-    def status_of(self, tests: dict[str, TestStatus], suffix: str) -> TestStatus | None:
-        found = [status for test_id, status in tests.items() if test_id.endswith(suffix)]
-        return found[0] if len(found) == 1 else None
+    def outcomes(self, records: Iterable[tuple[str, str, str]], suffix: str) -> list[str]:
+        """The recorded outcomes of one canary: its call phases, and any phase that went wrong."""
+        return [o for t, phase, o in records if t.endswith(suffix) and (phase == "call" or o not in ("passed",))]
 
-    def check(self, tests: dict[str, TestStatus]) -> str:
-        """'' when both canaries came out as they must, else what went wrong."""
-        passed = self.status_of(tests, self.must_pass)
-        failed = self.status_of(tests, self.must_fail)
+    def check(self, records: Iterable[tuple[str, str, str]]) -> tuple[str, bool]:
+        """('' when both canaries came out as they must, else what went wrong; whether the only
+        fault is that a canary never ran). A runner that runs the command's tests more than once
+        runs the canaries each time: every run must come out right."""
+        records = list(records)
+        passed, failed = self.outcomes(records, self.must_pass), self.outcomes(records, self.must_fail)
         wrong = []
-        if passed is not TestStatus.PASSED:
-            wrong.append(f"a test that must pass came out {passed or 'missing'}")
-        if failed is not TestStatus.FAILED:
-            wrong.append(f"a test that must fail came out {failed or 'missing'}")
-        return "; ".join(wrong)
+        if not passed or set(passed) != {"passed"}:
+            wrong.append(f"a test that must pass came out {', '.join(passed) or 'missing'}")
+        if not failed or set(failed) != {"failed"}:
+            wrong.append(f"a test that must fail came out {', '.join(failed) or 'missing'}")
+        only_missing = bool(wrong) and all(
+            not outcomes or set(outcomes) == {good} for outcomes, good in ((passed, "passed"), (failed, "failed"))
+        )
+        return "; ".join(wrong), only_missing
 
     def is_canary(self, test_id: str) -> bool:
         return test_id.endswith((self.must_pass, self.must_fail))

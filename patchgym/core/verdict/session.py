@@ -88,27 +88,33 @@ async def supervised_run(
     finally:
         if canary:
             await room.sandbox.exec(f"rm -f -- {shlex.quote(canary.path)}", timeout_s=60)
-    return judge(verdict, canary)
+    return judge(verdict, canary, expected)
 
 
-def judge(verdict: Verdict, canary: Canary | None) -> Supervised:
-    """Statuses from the records, and the reason for a 0 if the verdict cannot stand."""
+def judge(verdict: Verdict, canary: Canary | None, expected: Sequence[str] = ()) -> Supervised:
+    """Statuses from the records, and the reason for a 0 if the verdict cannot stand. A canary
+    that never ran is a `canary` failure only when every expected test passed (a runner that
+    stops at the first failure may never reach it)."""
     tests, twice = combine(verdict.outcomes)
     tests, unmarked = without_unmarked_xfails(tests, verdict.xfail_files, verdict.mode)
     summary = verdict.summary()
     summary.update(reported_twice=twice[:20], unmarked_xfail=unmarked[:20])
     done = Supervised(tests, verdict.log, verdict.exit_code, verdict.duration_s, {"verdict": summary})
+    wrong = ""
     if canary is not None:
+        wrong, only_missing = canary.check(verdict.outcomes)
         summary["canary"] = {
-            "must_pass": canary.status_of(tests, canary.must_pass),
-            "must_fail": canary.status_of(tests, canary.must_fail),
+            "must_pass": canary.outcomes(verdict.outcomes, canary.must_pass),
+            "must_fail": canary.outcomes(verdict.outcomes, canary.must_fail),
         }
         done.tests = {t: s for t, s in tests.items() if not canary.is_canary(t)}
+        if only_missing and not all(t in done.tests and done.tests[t].passing for t in expected):
+            summary["canary"]["not_reached"], wrong = True, ""
     if verdict.timed_out:
         done.failure = "tests_timed_out"
     elif verdict.mode != "plain" and not verdict.began:
         done.failure, done.message = "no_verdict", "the recorder never started (the runner failed before any test)"
-    elif canary is not None and (wrong := canary.check(tests)):
+    elif wrong:
         done.failure, done.message = "canary", wrong
     elif verdict.problems:
         done.failure, done.message = "verdict_tampered", verdict.problems[0]

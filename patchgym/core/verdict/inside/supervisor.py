@@ -144,10 +144,10 @@ class Records:
             return
         self.seq += 1
         kind = fields[1]
-        if self.ended:
+        if kind == "begin":  # a command may run several sessions, one after another
+            self.began, self.ended = True, False
+        elif self.ended:
             self._problem(f"a record after the runner's end: {line[:200]!r}")
-        elif kind == "begin":
-            self.began = True
         elif kind == "end":
             self.ended = True
         elif kind == "problem":
