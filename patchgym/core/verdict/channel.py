@@ -1,9 +1,10 @@
 """Run a test command under the grader's supervisor and read back its verdict.
 
-`run_supervised` writes three files into the grading directory (the supervisor, the recorder
-under a random module name with this run's channel descriptors set in it, and a control file
-holding the nonce and the key, which the supervisor deletes before the command starts), then
-starts the supervisor as the sandbox's own shell would start a command: with the sandbox's
+`run_supervised` writes one control file into the grading directory (the nonce, the key, and
+the recorder under a random module name with this run's channel descriptors set in it, for the
+supervisor to write first), which the supervisor deletes before the command starts,
+then starts the supervisor (its source on its command line: one file write and one command
+per grading) as the sandbox's own shell would start a command: with the sandbox's
 environment, user and working directory, exactly as the agent's commands get them, so that code
 under test cannot tell grading from the agent's runs by `HOME`, `PATH` or the like. The
 supervisor prints one line, the nonce and the verdict; any other output is ignored, and a run
@@ -72,11 +73,12 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Prepared:
-    """The recorder's place in one run: the path to run it from (unittest) and the environment
-    that loads it (pytest)."""
+    """The recorder's place in one run: the path to run it from (unittest), the environment that
+    loads it (pytest), and the files the supervisor writes first (the recorder, the canary)."""
 
     recorder: str
     env: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)
 
 
 def _recorder_source(channel: tuple[int, int], canary: str | None) -> str:
@@ -88,15 +90,17 @@ def _recorder_source(channel: tuple[int, int], canary: str | None) -> str:
     return source
 
 
-async def prepare(room: GradingRoom, mode: Mode, channel: tuple[int, int], canary: Canary | None) -> Prepared:
-    """Write the recorder (under a random module name) for `mode`; returns where it lies."""
+def prepare(room: GradingRoom, mode: Mode, channel: tuple[int, int], canary: Canary | None) -> Prepared:
+    """The recorder for `mode` under a random module name, and where the supervisor writes it."""
+    files: dict[str, str] = {}
     if mode == "plain":
-        return Prepared("", {})
+        return Prepared("", {}, files)
     module = f"_{secrets.token_hex(6)}"
     canary_path = f"{room.sandbox.workdir}/{canary.path}" if canary and mode == "pytest" else None
-    path = await room.write(f"lib/{module}.py", _recorder_source(channel, canary_path))
+    path = f"{room.root}/lib/{module}.py"
+    files[path] = _recorder_source(channel, canary_path)
     env = {"PYTHONPATH": f"{room.root}/lib", "PYTEST_ADDOPTS": f"-p {module}"} if mode == "pytest" else {}
-    return Prepared(path, env)
+    return Prepared(path, env, files)
 
 
 def channel_fds() -> tuple[int, int]:
@@ -116,10 +120,10 @@ async def run_supervised(
     timeout_s: float,
     max_log_bytes: int,
     xfail_files: list[str] | None = None,
+    remove_after: tuple[str, ...] = (),
 ) -> Verdict:
     """Run `command` under the supervisor (see the module docstring); `NoVerdict` if none came."""
     nonce, key = secrets.token_hex(16), secrets.token_hex(32)
-    supervisor = await room.write(f"{secrets.token_hex(4)}.py", SUPERVISOR.read_bytes())
     control = {
         "nonce": nonce,
         "key": key,
@@ -130,10 +134,12 @@ async def run_supervised(
         "timeout_s": timeout_s,
         "max_log_bytes": max_log_bytes,
         "xfail_files": xfail_files or [],
+        "files": prepared.files,
+        "remove_after": list(remove_after or ()),
     }
     control_path = await room.write(f"{secrets.token_hex(8)}.json", json.dumps(control))
     run = await room.sandbox.exec(
-        f"exec {shlex.quote(room.python)} -I -S {shlex.quote(supervisor)} {shlex.quote(control_path)}",
+        f"exec {shlex.quote(room.python)} -I -S -c {shlex.quote(SUPERVISOR.read_text())} {shlex.quote(control_path)}",
         timeout_s=timeout_s + 120,
         max_output_bytes=2 * max_log_bytes + RECORD_OVERHEAD_BYTES,
     )

@@ -1,7 +1,8 @@
 """One supervised test run as graders use it: canary in, run, canary out, statuses and checks.
 
-`supervised_run` picks the canary's place (beside the first expected test), writes it, runs the
-command under the supervisor with the recorder loaded first, removes the canary, and returns a
+`supervised_run` picks the canary's place (beside the first expected test), runs the command
+under the supervisor with the recorder loaded first (the supervisor writes the recorder and
+removes the canary when the run is over, where it may), and returns a
 `Supervised`: the test statuses from the records (never from the log, the exit status or a
 report file) and, when the verdict cannot stand, the reason for a 0: `no_verdict`,
 `tests_timed_out`, `canary` or `verdict_tampered`.
@@ -67,11 +68,11 @@ async def supervised_run(
     canary: Canary | None = (
         make_canary(mode, canary_directory(expected, mode)) if canaries and mode != "plain" else None
     )
-    prepared = await prepare(room, mode, channel, canary)
+    prepared = prepare(room, mode, channel, canary)
     final = format_command(prepared.recorder) if format_command else command
-    if canary:
-        await room.sandbox.write_file(canary.path, canary.source)
     xfail_files = sorted({test_file(test_id, mode) for test_id in expected})
+    if canary:  # written as the grader writes the test files (the tests' folder may not be the user's)
+        await room.sandbox.write_file(canary.path, canary.source)
     try:
         verdict = await run_supervised(
             room,
@@ -82,12 +83,10 @@ async def supervised_run(
             timeout_s=timeout_s,
             max_log_bytes=max_log_bytes,
             xfail_files=xfail_files,
+            remove_after=(f"{room.sandbox.workdir}/{canary.path}",) if canary else (),
         )
     except NoVerdict as exc:
         return Supervised({}, exc.output, None, 0.0, {"verdict": {"mode": mode}}, "no_verdict", str(exc))
-    finally:
-        if canary:
-            await room.sandbox.exec(f"rm -f -- {shlex.quote(canary.path)}", timeout_s=60)
     return judge(verdict, canary, expected)
 
 

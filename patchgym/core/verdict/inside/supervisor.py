@@ -1,7 +1,7 @@
 """The grader's supervisor: runs one test command, reads the recorder's channel, kills the
 whole process tree, then prints the verdict. Standard library only (Python >= 3.6).
 
-    python3 -I -S supervisor.py CONTROL
+    python3 -I -S supervisor.py CONTROL   (or -c SOURCE CONTROL)
 
 CONTROL is a JSON file the grader wrote (deleted here before anything else starts): the
 command, its environment additions, the nonce, the run's key, the descriptor numbers the
@@ -197,6 +197,10 @@ def supervise(control):
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_DUMPABLE, 0)
     key = bytes.fromhex(control["key"])
+    for path, text in control.get("files", {}).items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(text)
     marked = _marked(control.get("xfail_files", []))
     key_read, key_write = os.pipe()
     os.write(key_write, key)
@@ -261,6 +265,9 @@ def supervise(control):
     stop = time.monotonic() + 10.0  # every writer is dead: take what is buffered, then stop
     while selector.get_map() and time.monotonic() < stop:
         drain(0.1)
+    for path in control.get("remove_after", []):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     return {
         "exit_code": exit_code,
         "timed_out": timed_out,
