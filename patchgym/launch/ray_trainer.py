@@ -137,14 +137,23 @@ class RayTrainer:
             await asyncio.wait([lead], timeout=1.0)
         self._settings = lead.result()
 
+    @property
+    def settle_s(self) -> float:
+        """How long a rank's death may take to show after a call failed (the cluster's `check_timeout_s`)."""
+        return self.ranks.check_s
+
     async def _guarded(self, ref: Any) -> Any:
-        """Await a call to rank 0; an actor that died is a `ProcessDiedError` naming the dead rank."""
+        """Await a call to rank 0. When it fails and a rank is gone (rank 0 itself, or a peer whose
+        death broke rank 0's collective first), the error is a `ProcessDiedError` naming that rank."""
         try:
             return await ref
-        except ray.exceptions.RayActorError as exc:
-            dead = self.ranks.dead(wait_s=self.ranks.check_s, strict=True)
-            who = dead[0].describe() if dead else f"{self.rank0.describe()}: {exc}"
-            raise ProcessDiedError(f"a trainer rank is gone: {who}") from None
+        except ray.exceptions.RayError as exc:
+            dead = await asyncio.to_thread(self.ranks.dead, wait_s=self.ranks.check_s, strict=True)
+            if dead:
+                raise ProcessDiedError(f"a trainer rank is gone: {dead[0].describe()}") from exc
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise ProcessDiedError(f"a trainer rank is gone: {self.rank0.describe()}: {exc}") from None
+            raise
 
     async def _call(self, method: str, *args: Any) -> Any:
         return await self._guarded(self.rank0.actor.call.remote(method, *args))

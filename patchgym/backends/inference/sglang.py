@@ -380,6 +380,11 @@ class SGLangEngine:
         dead = self.supervisor.dead() if self.supervisor is not None else []
         return {u for u in self.urls if self._child(u) in dead}
 
+    @property
+    def settle_s(self) -> float:
+        """How long an engine's death may take to show after a request failed (its supervisor's)."""
+        return float(getattr(self.supervisor, "settle_s", 0.0))
+
     def fatal(self) -> str | None:
         """Why generation cannot go on (the router or every engine died), or None."""
         dead = self.supervisor.dead() if self.supervisor is not None else []
