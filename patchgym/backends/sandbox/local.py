@@ -92,6 +92,11 @@ def _bwrap_argv(options: list[str], command: list[str]) -> list[str]:
     return ["sh", "-c", _PID_NAMESPACE_INIT, PARENT_CHECK, *bwrap]
 
 
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""Where a sandbox's commands find programs after this interpreter's own directory: the system's
+directories, never the caller's `PATH` (a sandbox's environment does not depend on who started the run)."""
+
+
 def _bwrap_problem() -> str | None:
     """Why bwrap sandboxes cannot run here, or None if they can."""
     missing = [tool for tool in ("bwrap", "unshare", "setpriv") if shutil.which(tool) is None]
@@ -196,7 +201,7 @@ class LocalSandbox(Sandbox):
         """Process groups of the commands running now."""
         self.workdir = spec.workdir if bwrap else str(root / "work")
         self._tmp_view = "/tmp" if bwrap else str(root / "tmp")
-        path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), SYSTEM_PATH])
         self._env = {
             "HOME": f"{self._tmp_view}/home",
             "TMPDIR": self._tmp_view,
