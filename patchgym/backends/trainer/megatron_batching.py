@@ -48,7 +48,7 @@ def check_lengths(lengths: list[int], micro_batch_tokens: int) -> None:
         if length > micro_batch_tokens:
             raise ConfigError(
                 f"sample {index} has {length} tokens, more than trainer.options micro_batch_tokens="
-                f"{micro_batch_tokens}: raise micro_batch_tokens, or lower agent.max_tokens_per_trajectory to at most it"
+                f"{micro_batch_tokens}: raise micro_batch_tokens or lower agent.max_tokens_per_trajectory to at most it"
             )
 
 
