@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
+from patchgym.backends.trainer.megatron_memory import Attention, Recompute, dense_mask_bytes, dense_scores_bytes
 from patchgym.backends.trainer.parallel import MegatronLayout, ModelShape
 from patchgym.core.errors import ConfigError
 
 GB = 1e9
-Attention = Literal["varlen", "dense"]
-Recompute = Literal["none", "selective", "full"]
 RUNTIME_BYTES = 4 * GB
 """Allowance per GPU process for the CUDA/HIP context, NCCL/RCCL buffers and the allocator's slack."""
 SYNC_BUCKETS_HELD = 3
@@ -214,11 +213,11 @@ def _activations(dims: ModelDims, layout: MegatronLayout, settings: TrainerMemor
         saved += local * dims.topk * (2 * h + 3 * s.expert_ffn / layout.etp) * b + local * s.experts * 8
     else:
         saved += 3 * dims.ffn * b * tokens / t
-    if settings.attention == "dense":  # fp32 softmax and its output for the [s, s] scores of each head
-        scores = s.heads / t * tokens * tokens * (4 + b if b == 2 else 4)
-    else:  # flash/varlen keeps one fp32 log-sum-exp per head and token
-        scores = s.heads / t * tokens * 4
-    mask = tokens * tokens if settings.attention == "dense" else 0.0  # one [s, s] bool mask per micro-batch
+    # dense: the fp32 softmax and its output for the [s, s] scores of each head, and one [s, s] bool mask per
+    # micro-batch; flash/varlen keeps one fp32 log-sum-exp per head and token
+    dense = settings.attention == "dense"
+    scores = dense_scores_bytes(s.heads / t, tokens, b) if dense else s.heads / t * tokens * 4
+    mask = dense_mask_bytes(tokens) if dense else 0.0
     held = (s.layers // layout.pp) * (layout.pp - stage)
     per_layer = saved + scores
     if settings.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time

@@ -141,7 +141,7 @@ class MegatronTrainer:
         self.dtype = getattr(torch, dtype)
         self.tp, self.pp, self.ep, self.etp = tp, pp, ep, etp or tp  # experts split over etp ranks (default tp)
         self.micro_batch_tokens = micro_batch_tokens
-        megatron_attention.check_attention(attention)
+        megatron_memory.check_attention(attention)
         self.attention, self.recompute = attention, recompute
         self.recompute_config = megatron_memory.recompute_config(recompute)
         self.offload_config = megatron_memory.offload_config(

@@ -17,22 +17,15 @@ varlen; kept to compare against). Both give the same log-probs and gradients (te
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from patchgym.backends.trainer.megatron_memory import check_attention
 from patchgym.core.errors import ConfigError
-
-Attention = Literal["varlen", "dense"]
-ATTENTIONS: tuple[str, ...] = ("varlen", "dense")
-
-
-def check_attention(attention: str) -> None:
-    if attention not in ATTENTIONS:
-        raise ConfigError(f"attention: {attention!r} is not one of {', '.join(ATTENTIONS)}")
 
 
 def block_causal_mask(sample_index: torch.Tensor) -> torch.Tensor:

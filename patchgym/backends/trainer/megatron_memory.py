@@ -1,5 +1,5 @@
-"""The Megatron trainer's memory settings: activation recompute, CPU optimizer offload, and the token cap
-dense attention can hold.
+"""The Megatron trainer's memory settings: attention (`megatron_attention`), activation recompute, CPU
+optimizer offload, and the token cap dense attention can hold.
 
 - `recompute`: `none` keeps every layer's activations for the backward; `selective` recomputes the core
   attention in the backward (megatron-core's `recompute_granularity="selective"`, module `core_attn`);
@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args
 
 from patchgym.core.errors import ConfigError
 
+Attention = Literal["varlen", "dense"]
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_CONFIG: dict[str, dict[str, Any]] = {
     "none": {},
@@ -27,6 +28,11 @@ RECOMPUTE_CONFIG: dict[str, dict[str, Any]] = {
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
 }
 """The `recompute` setting -> megatron-core `TransformerConfig` fields."""
+
+
+def check_attention(attention: str) -> None:
+    if attention not in get_args(Attention):
+        raise ConfigError(f"attention: {attention!r} is not one of {', '.join(get_args(Attention))}")
 
 
 def recompute_config(recompute: str) -> dict[str, Any]:
