@@ -125,16 +125,19 @@ class VarlenCoreAttention(MegatronModule):
             longest = packed_seq_params.max_seqlen_q
             out = flash(query, key, value, offsets, offsets, longest, longest, dropout, self.scale, causal=True)
             return out.reshape(query.shape[0], -1)
-        # [t, heads, dim] -> [heads, t, dim]: SDPA's layout; one call per sample, no mask
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        # [t, heads, dim] -> [1, heads, t, dim], contiguous: SDPA's layout (with 3-D inputs, or strided ones,
+        # torch 2.13's CPU SDPA falls back to the math kernel, which builds the [s, s] scores); one call per
+        # sample, no mask
+        q, k, v = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (query, key, value))
         bounds = offsets.tolist()
         parts = [
             F.scaled_dot_product_attention(
-                q[:, s:e], k[:, s:e], v[:, s:e], dropout_p=dropout, is_causal=True, scale=self.scale, enable_gqa=True
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout, is_causal=True, scale=self.scale,
+                enable_gqa=True,
             )
             for s, e in zip(bounds, bounds[1:], strict=False)
-        ]
-        return torch.cat(parts, 1).transpose(0, 1).reshape(query.shape[0], -1)
+        ]  # fmt: skip
+        return torch.cat(parts, 2)[0].transpose(0, 1).reshape(query.shape[0], -1)
 
 
 def with_attention(spec: Any, attention: str) -> Any:
