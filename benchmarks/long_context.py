@@ -7,7 +7,9 @@ a `MegatronTrainer` (one rank, a small but wide random Qwen3), clears the kernel
 (/proc/self/clear_refs), takes one SFT step on one micro-batch of that many tokens (by default one sample
 filling it, the long-trajectory case; `--sample-tokens` packs shorter ones), and reads the peak (VmHWM).
 `peak_mb` is that peak; `step_mb` is the peak minus the memory before the step (what the step itself
-added). The old path runs only where its estimated [s, s] scores and mask fit in `--max-mb`.
+added). The old path runs only where what it adds by `launch.memory`'s estimate (`dense_estimate_mb`:
+[s, s] scores, one layer's backward over them, the mask) fits in `--max-mb`; `dense_extra_mb` is what it
+measurably added (old minus new step memory at the same tokens).
 
     python benchmarks/long_context.py [--tokens 2048 4096 ...] [--max-mb 4096] [--json]
 
@@ -32,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
 
-from patchgym.backends.trainer.megatron_memory import dense_mask_bytes, dense_scores_bytes  # noqa: E402
+from patchgym.backends.trainer.megatron_memory import dense_attention_bytes  # noqa: E402
 
 MODEL = dict(
     vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
@@ -54,9 +56,8 @@ def make_model(directory: Path) -> Path:
 
 
 def dense_estimate_mb(tokens: int) -> float:
-    """The old path's [s, s] scores (fp32, every layer) and mask for one micro-batch, in MiB."""
-    layers, heads = MODEL["num_hidden_layers"], MODEL["num_attention_heads"]
-    return (layers * dense_scores_bytes(heads, tokens, 4) + dense_mask_bytes(tokens)) / MB
+    """What the old path adds for one micro-batch by `launch.memory`'s arithmetic: [s, s] scores, backward, mask."""
+    return dense_attention_bytes(MODEL["num_attention_heads"], tokens, 4, MODEL["num_hidden_layers"]) / MB
 
 
 def _status_kb(field: str) -> int:
@@ -114,13 +115,17 @@ def measure(model: Path, attention: str, tokens: int, sample_tokens: int, thread
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's peak over the same path's peak at half the tokens (`peak_ratio_vs_half`), where measured."""
+    """Each row's peak over the same path's peak at half the tokens (`peak_ratio_vs_half`), where measured;
+    on old rows, what dense attention measurably added (`dense_extra_mb`: old minus new step memory)."""
     by = {(r["path"], r["tokens"]): r for r in rows}
     for row in rows:
         half = by.get((row["path"], row["tokens"] // 2))
         if half is not None:
             row["peak_ratio_vs_half"] = round(row["peak_mb"] / half["peak_mb"], 3)
             row["step_mb_ratio_vs_half"] = round(row["step_mb"] / max(half["step_mb"], 1e-9), 3)
+        new = by.get(("new", row["tokens"]))
+        if row["path"] == "old" and new is not None:
+            row["dense_extra_mb"] = round(row["step_mb"] - new["step_mb"], 1)
 
 
 def main() -> None:
@@ -165,15 +170,17 @@ def show(rows: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="one Megatron train step on CPU: peak memory by tokens per micro-batch")
-    for column in ("path", "attention", "tokens", "peak MB", "step MB", "peak / half", "step s", "dense est MB"):
+    columns = ("path", "attention", "tokens", "peak MB", "step MB", "peak / half", "step s", "dense +MB", "est +MB")
+    for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(
             r["path"], r["attention"], str(r["tokens"]), f"{r['peak_mb']:.0f}", f"{r['step_mb']:.0f}",
-            str(r.get("peak_ratio_vs_half", "")), f"{r['step_s']:.2f}", str(r.get("dense_estimate_mb", "")),
+            str(r.get("peak_ratio_vs_half", "")), f"{r['step_s']:.2f}", str(r.get("dense_extra_mb", "")),
+            str(r.get("dense_estimate_mb", "")),
         )  # fmt: skip
     for s in skipped:
-        table.add_row(s["path"], "dense", str(s["tokens"]), "-", "-", "", "-", s["why"])
+        table.add_row(s["path"], "dense", str(s["tokens"]), "-", "-", "", "-", "", s["why"])
     Console(stderr=True).print(table)
 
 

@@ -70,6 +70,22 @@ def dense_mask_bytes(tokens: float) -> float:
     return tokens * tokens
 
 
+DENSE_BACKWARD_BYTES = 12
+"""Bytes per head and [s, s] entry that one layer's dense-attention backward holds for a moment on top of the
+saved scores: fp32 gradients of the softmax's output and input, and their product. Fitted to
+benchmarks/long_context.py on CPU (fp32, 2 layers x 8 heads): dense minus varlen at 4K tokens measured
+about 20 bytes per head and entry, which 2 layers x 4 saved + 12 + the mask's 1/8 give."""
+
+
+def dense_attention_bytes(heads: float, tokens: float, act_bytes: int, layers: int) -> float:
+    """What dense attention adds for one micro-batch: `layers` layers' saved scores, one layer's backward, the mask."""
+    return (
+        layers * dense_scores_bytes(heads, tokens, act_bytes)
+        + DENSE_BACKWARD_BYTES * heads * tokens * tokens
+        + dense_mask_bytes(tokens)
+    )
+
+
 def check_dense_fits(
     *, attention: str, tokens: int, heads: float, layers: int, act_bytes: int, device_bytes: float, device: str
 ) -> None:
@@ -77,7 +93,7 @@ def check_dense_fits(
     attention scores (`layers` layers of `heads` heads on this rank) and mask than `device` has."""
     if attention != "dense":
         return
-    need = layers * dense_scores_bytes(heads, tokens, act_bytes) + dense_mask_bytes(tokens)
+    need = dense_attention_bytes(heads, tokens, act_bytes, layers)
     if need > device_bytes:
         raise ConfigError(
             f"attention: dense at micro_batch_tokens={tokens} needs about {need / 1e9:.1f} GB for the [s, s] attention "
