@@ -5,11 +5,13 @@ factory), or launch them with torchrun (`torchrun --nproc_per_node=N program.py`
 of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
 the async `Trainer` methods, which broadcast the call to the other ranks, which sit in
 `follow()`. Collectives time out after `timeout_s`, so a hung rank stops the others with an
-error instead of a hang. Data parallelism splits a batch's micro-batches between the data-parallel ranks;
-gradients are reduced by megatron's `DistributedDataParallel` and the step is taken by its
-(optionally distributed) optimizer. Micro-batches are packed: a block-diagonal causal mask keeps
-attention inside each sample (RoPE is relative, so a sample's offset in its row does not change
-its scores). Per-token log-probs come from `vocab_parallel_cross_entropy` on TP-sharded logits.
+error instead of a hang. Data parallelism splits a batch's samples between the data-parallel ranks by
+tokens (`megatron_batching`, reported as `dp_tokens_max_over_mean`); gradients are reduced by megatron's
+`DistributedDataParallel` and the step is taken by its (optionally distributed, optionally CPU-offloaded)
+optimizer. Micro-batches are packed rows of samples; attention stays inside each sample through
+cu_seqlens (`attention: varlen`, memory linear in tokens) or a block-diagonal causal mask (`dense`),
+as `megatron_attention` explains; `recompute` trades activation memory for time (`megatron_memory`).
+Per-token log-probs come from `vocab_parallel_cross_entropy` on TP-sharded logits.
 
 Pipeline parallelism: each stage builds its share of the layers (megatron-core's split; the
 embedding on the first stage, the final norm and output layer on the last, and with tied
@@ -47,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from patchgym.backends.trainer import mcore_cpu, megatron_moe
+from patchgym.backends.trainer import mcore_cpu, megatron_attention, megatron_batching, megatron_memory, megatron_moe
 from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state, step_metrics
 from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
 from patchgym.backends.trainer.parallel import MegatronLayout
@@ -96,14 +98,6 @@ def _metas(state: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
     return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
 
 
-def block_causal_mask(sample_index: torch.Tensor) -> torch.Tensor:
-    """[b, 1, s, s] bool, True where attention is forbidden: other samples or the future."""
-    s = sample_index.shape[1]
-    same = sample_index[:, :, None] == sample_index[:, None, :]
-    causal = torch.ones(s, s, dtype=torch.bool, device=sample_index.device).tril()
-    return ~(same & causal)[:, None]
-
-
 class MegatronTrainer:
     """`Trainer` on megatron-core, loaded from and exported to a Hugging Face model directory."""
 
@@ -122,6 +116,9 @@ class MegatronTrainer:
         warmup_steps: int = 0,
         micro_batch_tokens: int = 8192,
         use_distributed_optimizer: bool = True,
+        attention: str = "varlen",
+        recompute: str = "none",
+        optimizer_cpu_offload: bool = False,
         dtype: str = "float32",
         seed: int = 0,
         timeout_s: float = 600.0,
@@ -130,7 +127,9 @@ class MegatronTrainer:
     ) -> None:
         """`timeout_s` bounds every collective (a rank that hangs fails the others after it);
         `stop_timeout_s` bounds how long `aclose()` waits for the followers to acknowledge the stop;
-        `threads`: this rank's torch threads (None: torch's default)."""
+        `threads`: this rank's torch threads (None: torch's default). `attention` (varlen or dense,
+        `megatron_attention`), `recompute` (none, selective or full) and `optimizer_cpu_offload`
+        (`megatron_memory`) trade memory for time."""
         from transformers import AutoConfig
 
         path = Path(model)
@@ -142,6 +141,15 @@ class MegatronTrainer:
         self.dtype = getattr(torch, dtype)
         self.tp, self.pp, self.ep, self.etp = tp, pp, ep, etp or tp  # experts split over etp ranks (default tp)
         self.micro_batch_tokens = micro_batch_tokens
+        megatron_memory.check_attention(attention)
+        self.attention, self.recompute = attention, recompute
+        self.recompute_config = megatron_memory.recompute_config(recompute)
+        self.offload_config = megatron_memory.offload_config(
+            optimizer_cpu_offload, distributed_optimizer=use_distributed_optimizer, gpu=torch.cuda.is_available()
+        )
+        self.optimizer_cpu_offload = optimizer_cpu_offload
+        self._dp_balance = 1.0
+        self._check_dense_fits()
         self.use_distributed_optimizer = use_distributed_optimizer
         self.timeout_s = timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -190,11 +198,16 @@ class MegatronTrainer:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
-        config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype, ep=self.ep, etp=self.etp)
+        config = replace(
+            self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype, ep=self.ep, etp=self.etp),
+            **self.recompute_config,
+        )
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.local_experts = self.layout.experts // self.ep
-        spec = megatron_moe.layer_spec(config, self.layout.experts, self.layout.qk_norm)
+        spec = megatron_attention.with_attention(
+            megatron_moe.layer_spec(config, self.layout.experts, self.layout.qk_norm), self.attention
+        )
         from patchgym.backends.trainer.megatron_convert import rope_theta
 
         gpt = GPTModel(
@@ -231,8 +244,26 @@ class MegatronTrainer:
             use_distributed_optimizer=self.use_distributed_optimizer,
             bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype,
+            **self.offload_config,
         )
         self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
+
+    def _check_dense_fits(self) -> None:
+        """Dense attention's [s, s] scores of one micro-batch must fit in this rank's device memory."""
+        if torch.cuda.is_available():
+            index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+            memory, device = float(torch.cuda.get_device_properties(index).total_memory), f"GPU {index}"
+        else:
+            memory, device = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "the host's memory"
+        megatron_memory.check_dense_fits(
+            attention=self.attention,
+            tokens=self.micro_batch_tokens,
+            heads=self.layout.heads / self.tp,
+            layers=self.hf_config.num_hidden_layers // self.pp,
+            act_bytes=self.dtype.itemsize,
+            device_bytes=memory,
+            device=device,
+        )
 
     def _full_names(self, gpt: Any) -> dict[str, str]:
         """This stage's parameter names -> their names in the whole (unpipelined) model.
@@ -287,6 +318,9 @@ class MegatronTrainer:
             "dp": self.dp,
             "world_size": self.world,
             "micro_batch_tokens": self.micro_batch_tokens,
+            "attention": self.attention,
+            "recompute": self.recompute,
+            "optimizer_cpu_offload": self.optimizer_cpu_offload,
             "use_distributed_optimizer": self.use_distributed_optimizer,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
@@ -302,9 +336,7 @@ class MegatronTrainer:
     # -- compute ----------------------------------------------------------------------------
     def _stage_forward(self, model: Any, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's output: logits [b, s, v / tp] on the last stage, hidden states elsewhere."""
-        ids = t["input_ids"]
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, positions, block_causal_mask(t["sample_index"]))
+        return model(**megatron_attention.model_inputs(t, self.attention))
 
     def _token_stats(
         self, logits: torch.Tensor, ids: torch.Tensor, temperature: float
@@ -332,10 +364,12 @@ class MegatronTrainer:
         return torch.log(both[0]) - both[1] / both[0]
 
     def _my_micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        mbs = TrainBatch(batch.samples, self.micro_batch_tokens, True, batch.pad_id).micro_batches()
-        if self.ep > 1:  # the experts' all-to-all needs as many forward passes on every rank
-            return megatron_moe.balanced_share(mbs, self.dp, self.dp_rank, batch.pad_id)
-        return mbs[self.dp_rank :: self.dp]
+        """This data-parallel rank's packed micro-batches: the batch split between the ranks by tokens."""
+        mbs, split = megatron_batching.rank_share(
+            batch, self.micro_batch_tokens, self.dp, self.dp_rank, equal_counts=self.ep > 1
+        )
+        self._dp_balance = split.max_over_mean
+        return mbs
 
     def _schedule(self, mbs: list[MicroBatch], step: Callable[..., Any], *, forward_only: bool) -> list[Any]:
         """Run megatron-core's forward-backward schedule over `mbs`; the last stage's outputs.
@@ -437,6 +471,7 @@ class MegatronTrainer:
             lr=self.optimizer.param_groups[0]["lr"],
             version=float(self.version),
             optimizer_skipped=float(not stepped),
+            dp_tokens_max_over_mean=self._dp_balance,
         )
 
     def _set_lr(self, lr: float) -> None:

@@ -4,7 +4,8 @@ With expert parallel size `ep`, each rank of an expert-parallel group holds a co
 `num_experts / ep` experts, named `local_experts.0..` inside the rank; full (HF-convertible) names
 number them globally. Tokens reach their experts through an all-to-all in every MoE layer, so all
 ranks of an expert-parallel group must run the same number of forward passes: ranks that would
-have fewer micro-batches get empty ones (no trained tokens, so no loss and no gradient).
+have fewer micro-batches get empty ones (no trained tokens, so no loss and no gradient;
+`megatron_batching.rank_share`).
 Megatron's MoE layers refuse to train with tensor parallelism unless sequence parallelism is on,
 which splits each micro-batch's sequence between the TP ranks: sequences are padded to a multiple
 of tp at the end (padding has sample index -1 and loss mask 0, so spans and losses are unchanged).
@@ -20,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from patchgym.core.batch import MicroBatch
 from patchgym.core.errors import ConfigError
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -54,18 +54,6 @@ def gather_expert(
     blocks = [torch.empty_like(whole) for _ in range(dist.get_world_size(ep_group))]
     dist.all_gather(blocks, whole, group=ep_group)
     return {_renumber(full_name, name, rank, local_count): block for rank, block in enumerate(blocks)}
-
-
-def empty_micro_batch(pad_id: int) -> MicroBatch:
-    """One padding token: a forward pass that trains nothing and yields no log-probs."""
-    return MicroBatch([[pad_id]], [[0]], [[0]], [[0.0]], [[0.0]], [[-1]], {})
-
-
-def balanced_share(mbs: list[MicroBatch], dp: int, dp_rank: int, pad_id: int) -> list[MicroBatch]:
-    """This data-parallel rank's micro-batches, padded with empty ones to the largest rank's count."""
-    mine = mbs[dp_rank::dp]
-    most = -(-len(mbs) // dp)
-    return mine + [empty_micro_batch(pad_id) for _ in range(most - len(mine))]
 
 
 def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
