@@ -1,0 +1,60 @@
+"""The Megatron trainer's streamed weight sync, run for real on CPU: four ranks as TP2/DP2 with EP4
+(the expert-parallel group spans both data-parallel replicas, as the reference's TP4/EP8/DP2 does)
+send the tiny Qwen3-MoE to a receiving engine process through `WeightSync`, twice.
+
+What the engine holds after each sync must equal, bit for bit, the HF weights of that moment (the
+initial checkpoint, then the trainer's export after a GRPO step); the second sync reuses the group
+the first formed; the sender's extra memory stays within three buckets. Before every rank joined
+the sync's gathers, the ranks of the second replica skipped the expert all-gather the first
+replica's ranks waited in: the first sync hung until the collective timeout (here the worker's
+`COLLECTIVE_TIMEOUT_S`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("megatron.core")
+
+from tests.tiny_models import tiny_qwen3_moe  # noqa: E402
+from tests.torchrun_launch import torchrun_json  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1200)  # one torchrun launch of four ranks on a busy machine
+
+WORKER = Path(__file__).with_name("megatron_sync_worker.py")
+
+
+def test_staged_sync_with_experts_across_data_parallel_replicas_equals_the_hf_weights(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = tiny_qwen3_moe(tmp_path / "model")
+    initial = load_file(model / "model.safetensors")
+    model_bytes = sum(t.numel() * t.element_size() for t in initial.values())
+    # a quarter of the model: the largest unit of this model, one expert weight from all 4 EP ranks, fits
+    bucket = model_bytes // 4
+    out = tmp_path / "out"
+    result = torchrun_json(WORKER, out, 4, model, out, 2, 4, 1, bucket)
+    layout = {k: result["settings"][k] for k in ("tp", "ep", "etp", "dp", "world_size", "sync_bucket_bytes")}
+    assert layout == {"tp": 2, "ep": 4, "etp": 1, "dp": 2, "world_size": 4, "sync_bucket_bytes": bucket}
+
+    first, second = load_file(out / "v1.safetensors"), load_file(out / "v2.safetensors")
+    exported = load_file(out / "hf" / "model.safetensors")
+    assert set(first) == set(second) == set(exported) == set(initial)
+    assert [k for k in initial if not torch.equal(first[k], initial[k])] == []
+    assert [k for k in exported if not torch.equal(second[k], exported[k])] == []
+    assert not torch.equal(second["model.layers.1.mlp.experts.3.up_proj.weight"], first[
+        "model.layers.1.mlp.experts.3.up_proj.weight"])  # fmt: skip
+
+    one, two, engine = result["reports"]
+    assert one["groups_formed"] and not two["groups_formed"] and engine["joins"] == 1
+    assert one["masters"] == two["masters"]
+    for report in (one, two):
+        assert report["bytes"] == model_bytes and report["bucket_bytes"] == bucket
+        (sender,) = report["senders"]
+        assert sender["bytes"] == model_bytes and sender["buckets"] >= 4
+        assert 0 < sender["bucket_bytes"] <= bucket
+        assert sender["sender_extra_peak_bytes"] <= 3 * bucket, sender
