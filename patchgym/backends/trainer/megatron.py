@@ -462,7 +462,7 @@ class MegatronTrainer:
             if getattr(param, "shared", False):
                 continue
             gathered = megatron_sync.gather_unit(self, name, param.detach().float().contiguous())
-            out.update({k: v.to(self.dtype) for k, v in gathered.items()})
+            out.update({k: v.to(self.dtype, copy=True) for k, v in gathered.items()})  # never a live parameter
         return out
 
     def _full_state(self) -> dict[str, torch.Tensor] | None:

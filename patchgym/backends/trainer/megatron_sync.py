@@ -37,7 +37,11 @@ Gather = Callable[[torch.Tensor, Any], list[torch.Tensor]]
 
 
 def all_gather(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    """Every member's `local` (a group of one: `local` itself, not a copy)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [local]
+    parts = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(parts, local, group=group)
     return parts
 
@@ -123,6 +127,7 @@ class Streamer:
         self.ready: dict[str, torch.Tensor] = {}  # converted, not yet sent (a unit cut across buckets)
         self.done: set[int] = set()
         self.storages: dict[int, list[int]] = {}  # storage -> [bytes, tensors held that view it]
+        self.own = {_storage(p) for p in self.params.values()}  # views of parameters are not extra memory
         self.stats = SyncStats()
 
     def _convert(self, index: int) -> None:
@@ -130,7 +135,7 @@ class Streamer:
         trainer, unit = self.trainer, self.units[index]
         started = time.perf_counter()
         param = self.params[unit.param].detach().contiguous()
-        owned = {_storage(param)}  # storages already counted (the parameter is not extra)
+        owned = set(self.own)  # storages already counted (parameters are not extra)
         gathered = 0  # bytes the gathers allocate, and the tensors they join
 
         def gather(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -162,6 +167,8 @@ class Streamer:
     def _keep(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage as held (once, however many tensors view it)."""
         key = _storage(tensor)
+        if key in self.own:
+            return
         if key not in self.storages:
             self.storages[key] = [tensor.untyped_storage().nbytes(), 0]
             self.stats.hold(self.storages[key][0])
@@ -169,6 +176,8 @@ class Streamer:
 
     def _drop(self, tensor: torch.Tensor) -> None:
         key = _storage(tensor)
+        if key in self.own:
+            return
         self.storages[key][1] -= 1
         if not self.storages[key][1]:
             self.stats.hold(-self.storages.pop(key)[0])
