@@ -1,7 +1,7 @@
 """A torchrun program for the streamed weight sync: Megatron ranks send their weights to a receiving
 engine process through `WeightSync` (staged groups, buckets), twice, with a GRPO step in between.
 
-Run: torchrun --nproc_per_node=N tests/megatron_sync_worker.py MODEL_DIR OUT_DIR TP EP ETP BUCKET_BYTES
+Run: torchrun --nproc_per_node=N tests/megatron_sync_worker.py MODEL_DIR OUT_DIR TP EP ETP BUCKET_BYTES PP
 
 Writes OUT_DIR/v1.safetensors and v2.safetensors (what the engine received at each sync), OUT_DIR/hf
 (the trainer's HF export after the second) and OUT_DIR/result.json (the two sync reports). The
@@ -49,9 +49,9 @@ async def drive(trainer: MegatronTrainer, out: Path) -> None:
 
 def main() -> None:
     model, out = Path(sys.argv[1]), Path(sys.argv[2])
-    tp, ep, etp, bucket_bytes = (int(a) for a in sys.argv[3:7])
+    tp, ep, etp, bucket_bytes, pp = (int(a) for a in sys.argv[3:8])
     trainer = MegatronTrainer(
-        model, tp=tp, ep=ep, etp=etp, lr=3e-3, micro_batch_tokens=96, use_distributed_optimizer=False,
+        model, tp=tp, pp=pp, ep=ep, etp=etp, lr=3e-3, micro_batch_tokens=96, use_distributed_optimizer=False,
         timeout_s=COLLECTIVE_TIMEOUT_S, sync_bucket_bytes=bucket_bytes,
     )  # fmt: skip
     if trainer.rank == 0:
