@@ -37,7 +37,7 @@ from patchgym.launch.ray_cluster import (
 )
 
 SERVED = ("logprobs", "train_step", "set_lr", "reset_optimizer", "weights", "weight_stages")
-SERVED += ("broadcast_weights", "save", "load")
+SERVED += ("open_weight_groups", "broadcast_weights", "save", "load")
 """The trainer methods the driver may call on rank 0."""
 
 
@@ -179,8 +179,11 @@ class RayTrainer:
             self._stages = await self._call("weight_stages")
         return self._stages
 
-    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
-        await self._call("broadcast_weights", groups, buckets)
+    async def open_weight_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return await self._call("open_weight_groups", groups)
+
+    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> Any:
+        return await self._call("broadcast_weights", groups, buckets)
 
     async def weight_group_endpoint(self, stage: int) -> tuple[str, int]:
         """Where pipeline stage `stage`'s weight group meets: its leader rank's node, a port free there."""

@@ -49,9 +49,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from patchgym.backends.trainer import mcore_cpu, megatron_attention, megatron_batching, megatron_memory, megatron_moe
+from patchgym.backends.trainer import (
+    mcore_cpu,
+    megatron_attention,
+    megatron_batching,
+    megatron_memory,
+    megatron_moe,
+    megatron_sync,
+)
 from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state, step_metrics
-from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
+from patchgym.backends.trainer.megatron_convert import Layout, shard
 from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.core.batch import MicroBatch, TrainBatch
 from patchgym.core.errors import ConfigError
@@ -94,8 +101,6 @@ def bind_device(rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _metas(state: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
 
 
 class MegatronTrainer:
@@ -124,12 +129,14 @@ class MegatronTrainer:
         timeout_s: float = 600.0,
         stop_timeout_s: float = 60.0,
         threads: int | None = None,
+        sync_bucket_bytes: int = 512 << 20,
     ) -> None:
         """`timeout_s` bounds every collective (a rank that hangs fails the others after it);
         `stop_timeout_s` bounds how long `aclose()` waits for the followers to acknowledge the stop;
         `threads`: this rank's torch threads (None: torch's default). `attention` (varlen or dense,
         `megatron_attention`), `recompute` (none, selective or full) and `optimizer_cpu_offload`
-        (`megatron_memory`) trade memory for time."""
+        (`megatron_memory`) trade memory for time; `sync_bucket_bytes`: the most bytes of weights one
+        bucket of a streamed weight sync carries (`megatron_sync`)."""
         from transformers import AutoConfig
 
         path = Path(model)
@@ -153,6 +160,11 @@ class MegatronTrainer:
         self.use_distributed_optimizer = use_distributed_optimizer
         self.timeout_s = timeout_s
         self.stop_timeout_s = stop_timeout_s
+        if sync_bucket_bytes < 1:
+            raise ConfigError(f"sync_bucket_bytes must be at least 1, not {sync_bucket_bytes}")
+        self.sync_bucket_bytes = sync_bucket_bytes
+        self._sync_group = megatron_sync.SyncGroup()
+        self._sync_units: list[megatron_sync.Unit] | None = None
         self.placement: Any = None
         self._stages: list[list[tuple[str, str, list[int]]]] | None = None
         """The follower ranks this rank started (`patchgym.launch.ranks.Placement`), stopped by `aclose()`."""
@@ -328,6 +340,7 @@ class MegatronTrainer:
             "process_group_timeout_s": self.timeout_s,
             "stop_timeout_s": self.stop_timeout_s,
             "threads": torch.get_num_threads(),
+            "sync_bucket_bytes": self.sync_bucket_bytes,
             "heartbeat_s": self.heartbeat_s,
             "ranks_started_by": "patchgym" if self.placement is not None else "launcher",
             **self.optim.as_dict(),
@@ -488,21 +501,12 @@ class MegatronTrainer:
         The last stage's copy of a tied embedding (megatron marks it `shared`) is left out: the
         first stage's is the same tensor.
         """
-        group = self.ps.get_tensor_model_parallel_group()
         out = {}
         for name, param in self.gpt.named_parameters():
             if getattr(param, "shared", False):
                 continue
-            local = param.detach().float().contiguous()
-            if megatron_moe.is_expert(name):
-                gathered = megatron_moe.gather_expert(
-                    name, self.names[name], local, self.ps, self.local_experts, unshard
-                )
-                out.update({k: v.to(self.dtype) for k, v in gathered.items()})
-                continue
-            parts = [torch.empty_like(local) for _ in range(self.tp)]
-            dist.all_gather(parts, local, group=group)
-            out[self.names[name]] = unshard(name, parts).to(self.dtype)
+            gathered = megatron_sync.gather_unit(self, name, param.detach().float().contiguous())
+            out.update({k: v.to(self.dtype, copy=True) for k, v in gathered.items()})  # never a live parameter
         return out
 
     def _full_state(self) -> dict[str, torch.Tensor] | None:
@@ -523,35 +527,47 @@ class MegatronTrainer:
         """The rank that sends this pipeline stage's weights: data-parallel rank 0, tensor rank 0."""
         return self.dp_rank == 0 and self.tp_rank == 0
 
-    def _stage_hf(self) -> dict[str, torch.Tensor] | None:
-        """This stage's HF tensors on its leader (None elsewhere; only its tensor group gathers)."""
-        if self.dp_rank != 0:
-            return None
-        state = self.layout.mcore_to_hf(self._stage_state())
-        return state if self.tp_rank == 0 else None
+    def _units(self) -> list[megatron_sync.Unit]:
+        if self._sync_units is None:
+            self._sync_units = megatron_sync.plan(self)
+        return self._sync_units
 
     def _weight_stages(self) -> list[list[tuple[str, str, list[int]]]] | None:
-        """(name, dtype, shape) of each pipeline stage's HF tensors, in stage order, on rank 0."""
-        state = self._stage_hf()
-        mine = [] if state is None else [(self.ps.get_pipeline_model_parallel_rank(), _metas(state))]
-        gathered = self._to_rank0(mine, True)
+        """(name, dtype, shape) of each pipeline stage's HF tensors, in stage and sending order, on rank 0."""
+        metas = [(name, dtype, list(shape)) for unit in self._units() for name, dtype, shape in unit.hf]
+        gathered = self._to_rank0([(self.ps.get_pipeline_model_parallel_rank(), metas)], self._stage_leader)
         return None if gathered is None else [metas for _, metas in sorted(gathered)]
 
-    def _broadcast_stages(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
-        """Each stage leader joins its stage's weight-update group as rank 0 and broadcasts its buckets."""
-        from patchgym.backends.inference.weight_group import WeightBroadcaster
-
-        state = self._stage_hf()
-        if state is None:
-            return
+    def _open_weight_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """Each stage leader binds its stage's group (held from then on); the settings with the bound
+        ports, on rank 0."""
         stage = self.ps.get_pipeline_model_parallel_rank()
-        broadcaster = WeightBroadcaster(**groups[stage])
-        broadcaster.join()
+        port = self._sync_group.open(groups[stage]).master_port if self._stage_leader else 0
+        bound = self._to_rank0([(stage, port)], self._stage_leader)
+        return None if bound is None else [{**groups[s], "master_port": p} for s, p in sorted(bound)]
+
+    def _broadcast_stages(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> list[dict] | None:
+        """Every rank of each stage gathers its buckets' tensors; the stage leader joins (or reuses) its
+        stage's weight-update group as rank 0 and streams them (`megatron_sync`). Each leader's
+        `SyncStats`, on rank 0."""
+        stage = self.ps.get_pipeline_model_parallel_rank()
+        broadcaster = None
+        if self._stage_leader:
+            broadcaster = self._sync_group.open(groups[stage])
+            try:
+                broadcaster.join()
+            except Exception:
+                self._sync_group.close()
+                raise
         try:
-            for bucket in buckets[stage]:
-                broadcaster.broadcast([state[name] for name in bucket])
-        finally:
-            broadcaster.close()
+            stats = megatron_sync.Streamer(self, self._units(), broadcaster).run(buckets[stage])
+        except Exception:
+            if broadcaster is not None:
+                self._sync_group.close()  # the next sync forms a new group
+            raise
+        mine = [{"stage": stage, **stats.as_dict()}] if self._stage_leader else []
+        gathered = self._to_rank0(mine, self._stage_leader)
+        return None if gathered is None else sorted(gathered, key=lambda s: s["stage"])
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         state = self._full_state()
@@ -606,6 +622,7 @@ class MegatronTrainer:
             "hf_state": self._hf_state,
             "weight_stages": self._weight_stages,
             "broadcast_stages": self._broadcast_stages,
+            "open_weight_groups": self._open_weight_groups,
             "export": self._export,
             "save": self._save,
             "load": self._load,
@@ -646,6 +663,7 @@ class MegatronTrainer:
             dist.broadcast_object_list(message, src=0)
             command, args = message[0]
             if command == "stop":
+                self._sync_group.close()
                 return
             if command != "ping":
                 self._execute(command, args)
@@ -683,10 +701,16 @@ class MegatronTrainer:
             self._stages = await self._run("weight_stages")
         return self._stages
 
-    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
+    async def open_weight_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Stage s's leader binds `groups[s]` (`WeightBroadcaster` settings; `master_port` 0: a port it
+        picks) and holds it; the settings with the ports bound, to tell the engines."""
+        return await self._run("open_weight_groups", groups)
+
+    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> list[dict]:
         """Stage s's leader joins `groups[s]` (`WeightBroadcaster` settings: rank 0 of a group the
-        engines join) and broadcasts `buckets[s]` (lists of names from `weight_stages()`) in order."""
-        await self._run("broadcast_stages", groups, buckets)
+        engines join; kept for the next sync with the same settings) and streams `buckets[s]` (lists
+        of names from `weight_stages()`) in order; each stage's `SyncStats` as a dict."""
+        return await self._run("broadcast_stages", groups, buckets)
 
     async def save(self, directory: Path) -> None:
         """Weights (HF format) plus each rank's optimizer state and RNG state."""
@@ -716,6 +740,7 @@ class MegatronTrainer:
                 with contextlib.suppress(TimeoutError, RuntimeError):
                     await asyncio.wait_for(stop, self.stop_timeout_s)
         finally:
+            self._sync_group.close()
             if self.placement is not None:
                 await asyncio.to_thread(self.placement.stop)
             self._executor.shutdown(wait=self.placement is None)

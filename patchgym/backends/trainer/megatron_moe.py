@@ -1,4 +1,4 @@
-"""Expert parallelism in the Megatron trainer: expert numbering, gathering, and balanced micro-batches.
+"""Expert parallelism in the Megatron trainer: expert numbering and balanced micro-batches.
 
 With expert parallel size `ep`, each rank of an expert-parallel group holds a contiguous block of
 `num_experts / ep` experts, named `local_experts.0..` inside the rank; full (HF-convertible) names
@@ -19,7 +19,6 @@ import re
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from patchgym.core.errors import ConfigError
 
@@ -35,25 +34,12 @@ def global_expert_name(name: str, ep_rank: int, local_count: int) -> str:
     return _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{ep_rank * local_count + int(m[1])}.", name)
 
 
-def _renumber(full_name: str, local_name: str, ep_rank: int, local_count: int) -> str:
+def renumber_expert(full_name: str, local_name: str, ep_rank: int, local_count: int) -> str:
     """`full_name` (this rank's expert) as the same local expert of expert-parallel rank `ep_rank`."""
     index = ep_rank * local_count + int(_LOCAL_EXPERT.search(local_name)[1])
     return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{index}.", full_name)
 
 
-def gather_expert(
-    name: str, full_name: str, local: torch.Tensor, ps: Any, local_count: int, unshard: Any
-) -> dict[str, torch.Tensor]:
-    """One local expert tensor (`name` in this stage, `full_name` in the whole model), whole over
-    expert-TP, from every expert-parallel rank, keyed by full names."""
-    tp_group = ps.get_expert_tensor_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, local, group=tp_group)
-    whole = unshard(name, parts)
-    ep_group = ps.get_expert_model_parallel_group()
-    blocks = [torch.empty_like(whole) for _ in range(dist.get_world_size(ep_group))]
-    dist.all_gather(blocks, whole, group=ep_group)
-    return {_renumber(full_name, name, rank, local_count): block for rank, block in enumerate(blocks)}
 
 
 def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
