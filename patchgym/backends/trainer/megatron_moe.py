@@ -56,6 +56,22 @@ def gather_expert(
     return {_renumber(full_name, name, rank, local_count): block for rank, block in enumerate(blocks)}
 
 
+def router_gemm() -> str:
+    """Make megatron's MoE router work without TransformerEngine, on any device; the GEMM it uses
+    ("transformer_engine" or "torch").
+
+    megatron-core 0.16's router (`moe_utils.router_gating_linear`) tests `te_general_gemm is not
+    None` to choose TransformerEngine's GEMM, but the name is only defined when TransformerEngine
+    imports: without it the first MoE forward raises NameError. Defining it as None selects the
+    `torch.mm` path megatron has for that case (the same routing, in `moe_router_dtype`).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return "torch" if moe_utils.te_general_gemm is None else "transformer_engine"
+
+
 def empty_micro_batch(pad_id: int) -> MicroBatch:
     """One padding token: a forward pass that trains nothing and yields no log-probs."""
     return MicroBatch([[pad_id]], [[0]], [[0]], [[0.0]], [[0.0]], [[-1]], {})
