@@ -46,9 +46,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from patchgym.backends.trainer import mcore_cpu, megatron_checkpoint, megatron_moe
+from patchgym.backends.trainer import mcore_cpu, megatron_checkpoint, megatron_load, megatron_moe
 from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, step_metrics
-from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
+from patchgym.backends.trainer.megatron_convert import Layout, unshard
 from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.core.batch import MicroBatch, TrainBatch
 from patchgym.core.errors import ConfigError
@@ -254,25 +254,13 @@ class MegatronTrainer:
         return names
 
     def _load_hf(self, gpt: Any, directory: Path) -> None:
-        from safetensors.torch import load_file
+        """Each rank reads only its shard of the HF weights (`megatron_load`)."""
 
-        hf_state: dict[str, torch.Tensor] = {}
-        for file in sorted(directory.glob("*.safetensors")):
-            hf_state.update(load_file(file))
-        if not hf_state:
-            raise ConfigError(f"no *.safetensors weights in {directory}")
-        full = self.layout.hf_to_mcore(hf_state)
+        def split(name: str) -> tuple[int, int]:
+            return (self.etp, self.etp_rank) if megatron_moe.is_expert(name) else (self.tp, self.tp_rank)
+
         params = {self.names[name]: param for name, param in gpt.named_parameters()}
-        missing = set(params) - set(full)
-        if missing:
-            raise ConfigError(f"the HF weights lack tensors for {sorted(missing)[:5]}")
-        with torch.no_grad():
-            for name, param in params.items():
-                expert = megatron_moe.is_expert(name)
-                part = shard(name, full[name], *((self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)))
-                if part.shape != param.shape:
-                    raise ConfigError(f"{name}: HF gives {tuple(part.shape)}, the model wants {tuple(param.shape)}")
-                param.copy_(part.to(param.dtype))
+        self.load_bytes = megatron_load.load_params(directory, self.layout, params, split)
 
     def settings(self) -> dict[str, Any]:
         """Every limit and knob of this trainer."""
@@ -289,6 +277,7 @@ class MegatronTrainer:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "cpu_shim": mcore_cpu.needed(),
+            "hf_load_bytes": self.load_bytes,
             "moe_router_gemm": self.router_gemm,
             "process_group_timeout_s": self.timeout_s,
             "stop_timeout_s": self.stop_timeout_s,
