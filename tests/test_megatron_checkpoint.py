@@ -20,9 +20,9 @@ WORKER = Path(__file__).with_name("megatron_ckpt_worker.py")
 TORCHRUN_TIMEOUT_S = 900
 pytestmark = pytest.mark.timeout(4 * TORCHRUN_TIMEOUT_S + 300)
 SAFETY = 2
-"""DP2 may differ from DP1 by SAFETY times what the two layouts measurably differ by (the same steps from
-the same initial weights: data-parallel gradient sums in another order), at least the bf16 rounding of
-the largest value."""
+"""DP2 resumed from a DP1 checkpoint may differ from DP1 by SAFETY times what the two layouts measurably
+differ by (the same steps from the same initial weights: data-parallel gradient sums in another order),
+at least bf16's relative rounding of the compared quantity."""
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
@@ -56,19 +56,23 @@ def test_bf16_resume_equals_the_uninterrupted_run(runs: dict) -> None:
     assert set(straight) == set(resumed) and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The Euclidean distance between two sets of weights (every tensor, in float32)."""
+    return sum((a[k].float() - b[k].float()).pow(2).sum().item() for k in a) ** 0.5
+
+
 def test_a_dp1_checkpoint_resumes_at_dp2(runs: dict) -> None:
+    """Compared by distances: bf16 weights differ by whole ulps (a 1.0 norm weight by 2^-7), so an
+    element-wise bound would be as large as the training update itself."""
     from safetensors.torch import load_file
 
     assert runs["dp2_from_dp1"]["settings"]["dp"] == 2
     initial = load_file(runs["model"] / "model.safetensors")
     dp1, dp2, resumed = (exported(runs, name) for name in ("dp1", "dp2", "dp2_from_dp1"))
-    largest = max(w.float().abs().max().item() for w in dp1.values())
-    layouts_gap = max((dp2[k].float() - dp1[k].float()).abs().max().item() for k in dp1)
-    weight_tol = SAFETY * max(layouts_gap, BF16_EPS * largest)
-    moved = max((dp1[k].float() - initial[k].float()).abs().max().item() for k in dp1)
-    assert weight_tol < 0.2 * moved  # a resume that lost the trained weights would stand out
-    for k in dp1:
-        torch.testing.assert_close(resumed[k].float(), dp1[k].float(), atol=weight_tol, rtol=0)
+    moved = distance(dp1, initial)
+    tolerance = SAFETY * max(distance(dp2, dp1), BF16_EPS * moved)
+    assert tolerance < 0.2 * moved  # a resume that lost the trained weights would stand out
+    assert distance(resumed, dp1) <= tolerance
     steps = list(zip(runs["dp1"]["steps"], runs["dp2"]["steps"], runs["dp2_from_dp1"]["steps"], strict=True))
     loss_tol = SAFETY * max(max(abs(a["loss"] - b["loss"]) for a, b, _ in steps), BF16_EPS * abs(steps[0][0]["loss"]))
     for a, _, c in steps:
