@@ -196,6 +196,9 @@ class RayTrainer:
     async def load(self, directory: Path) -> None:
         await self._call("load", Path(directory))
 
+    async def export(self, directory: Path) -> Path:
+        return await self._call("export", Path(directory))
+
     def settings(self) -> dict[str, Any]:
         ranks = [{"rank": r, "address": m.address, "node_id": m.node_id} for r, m in enumerate(self.ranks.members)]
         return {**self._settings, "ranks_started_by": "ray", "ranks": ranks}

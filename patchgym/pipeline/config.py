@@ -136,7 +136,13 @@ class RunConfig(_Strict):
     sft: SFTConfig = SFTConfig()
     grpo: GRPOConfig = GRPOConfig()
     eval: EvalConfig = EvalConfig()
-    checkpoint_every: int = Field(5, ge=1, description="GRPO steps between checkpoints")
+    checkpoint_every: int = Field(5, ge=1, description="GRPO steps between (resumable) checkpoints")
+    export_every: int | None = Field(
+        None,
+        ge=1,
+        description="GRPO steps between Hugging Face exports of the policy (RUN_DIR/exports/grpo-step-N); "
+        "none: only at the end of SFT and of GRPO",
+    )
     progress_interval_s: float = Field(
         30.0, gt=0, description="seconds between progress lines when the output is not a terminal (a log file)"
     )

@@ -49,6 +49,7 @@ from patchgym.launch.lifecycle import close_parts, start_parts, watched
 from patchgym.launch.ranks import follow_torchrun, torchrun_follower
 from patchgym.launch.sync import SyncReport, WeightSync, probe_ids
 from patchgym.pipeline.config import RunConfig, TraceSource
+from patchgym.pipeline.export import export_policy
 from patchgym.pipeline.progress import stage_progress
 from patchgym.pipeline.sandboxes import RunLabelledBackend
 from patchgym.pipeline.state import STATE_FILE, RunState
@@ -294,6 +295,12 @@ class Pipeline:
         staging.rename(latest)
         self._save_state()
 
+    async def _export(self, name: str) -> None:
+        """The policy as a Hugging Face model directory, `exports/NAME` in the run directory."""
+        started = time.perf_counter()
+        path = await export_policy(self.trainer, self.run_dir / "exports" / name)
+        self.log.emit("export", name=name, path=str(path), seconds=time.perf_counter() - started)
+
     def _stage_done(self, stage: str) -> None:
         self.state.stages_done.append(stage)
         self._save_state()
@@ -508,7 +515,11 @@ class Pipeline:
             accounting=totals,
             **{k: v for k, v in batch.metrics.items() if k != "rollout_wait_s"},
         )
-        if self.state.grpo_step % self.config.checkpoint_every == 0 or self.state.grpo_step == self.config.grpo.steps:
+        last = self.state.grpo_step == self.config.grpo.steps
+        every = self.config.export_every
+        if last or (every is not None and self.state.grpo_step % every == 0):  # before the checkpoint: a resume
+            await self._export(f"grpo-step-{self.state.grpo_step}")  # from it does not redo this export
+        if self.state.grpo_step % self.config.checkpoint_every == 0 or last:
             self.state.tasks_drawn = stream.drawn
             self.state.pending = [g.task.id for g in manager.pending_groups()]
             self.state.queued = [t.id for t in manager.queued_tasks()]
@@ -536,6 +547,7 @@ class Pipeline:
             self._stage_done("eval-base")
         if self.config.sft.enabled and "sft" not in done:
             await self.sft()
+            await self._export("sft")
             await self._checkpoint()
             self._stage_done("sft")
         if self.config.sft.enabled and "eval-sft" not in done:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import os
 import socket
 import threading
@@ -53,12 +52,14 @@ from patchgym.backends.trainer import (
     mcore_cpu,
     megatron_attention,
     megatron_batching,
+    megatron_checkpoint,
+    megatron_load,
     megatron_memory,
     megatron_moe,
     megatron_sync,
 )
-from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state, step_metrics
-from patchgym.backends.trainer.megatron_convert import Layout, shard
+from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, step_metrics
+from patchgym.backends.trainer.megatron_convert import Layout
 from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.core.batch import MicroBatch, TrainBatch
 from patchgym.core.errors import ConfigError
@@ -70,8 +71,6 @@ from patchgym.core.losses import (
     has_gradient,
     micro_batch_loss,
 )
-
-STATE_FILE = "megatron_state_rank{rank}.pt"
 
 
 def _free_port() -> int:
@@ -220,6 +219,7 @@ class MegatronTrainer:
         spec = megatron_attention.with_attention(
             megatron_moe.layer_spec(config, self.layout.experts, self.layout.qk_norm), self.attention
         )
+        self.router_gemm = megatron_moe.router_gemm() if self.layout.experts else None  # works without TE
         from patchgym.backends.trainer.megatron_convert import rope_theta
 
         gpt = GPTModel(
@@ -299,25 +299,13 @@ class MegatronTrainer:
         return names
 
     def _load_hf(self, gpt: Any, directory: Path) -> None:
-        from safetensors.torch import load_file
+        """Each rank reads only its shard of the HF weights (`megatron_load`)."""
 
-        hf_state: dict[str, torch.Tensor] = {}
-        for file in sorted(directory.glob("*.safetensors")):
-            hf_state.update(load_file(file))
-        if not hf_state:
-            raise ConfigError(f"no *.safetensors weights in {directory}")
-        full = self.layout.hf_to_mcore(hf_state)
+        def split(name: str) -> tuple[int, int]:
+            return (self.etp, self.etp_rank) if megatron_moe.is_expert(name) else (self.tp, self.tp_rank)
+
         params = {self.names[name]: param for name, param in gpt.named_parameters()}
-        missing = set(params) - set(full)
-        if missing:
-            raise ConfigError(f"the HF weights lack tensors for {sorted(missing)[:5]}")
-        with torch.no_grad():
-            for name, param in params.items():
-                expert = megatron_moe.is_expert(name)
-                part = shard(name, full[name], *((self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)))
-                if part.shape != param.shape:
-                    raise ConfigError(f"{name}: HF gives {tuple(part.shape)}, the model wants {tuple(param.shape)}")
-                param.copy_(part.to(param.dtype))
+        self.load_bytes = megatron_load.load_params(directory, self.layout, params, split)
 
     def settings(self) -> dict[str, Any]:
         """Every limit and knob of this trainer."""
@@ -337,6 +325,8 @@ class MegatronTrainer:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "cpu_shim": mcore_cpu.needed(),
+            "hf_load_bytes": self.load_bytes,
+            "moe_router_gemm": self.router_gemm,
             "process_group_timeout_s": self.timeout_s,
             "stop_timeout_s": self.stop_timeout_s,
             "threads": torch.get_num_threads(),
@@ -585,34 +575,14 @@ class MegatronTrainer:
         return directory
 
     def _save(self, directory: Path) -> None:
-        self._export(directory / "model")
-        state = {
-            "version": self.version,
-            "step": self.step_count,
-            # this rank's torch optimizers: its shard's moments and step counts, exactly
-            "optimizers": [o.optimizer.state_dict() for o in self._optimizers()],
-            "rng": rng_state(),
-        }
-        torch.save(state, directory / STATE_FILE.format(rank=self.rank))
-        if self.rank == 0:
-            (directory / "megatron.json").write_text(json.dumps(self.settings()))
-        dist.barrier()
+        megatron_checkpoint.save(self, directory)
 
     def _optimizers(self) -> list[Any]:
         """The optimizers a megatron `ChainedOptimizer` holds (or the optimizer itself)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _load(self, directory: Path) -> None:
-        path = directory / STATE_FILE.format(rank=self.rank)
-        if not path.is_file():
-            raise ConfigError(f"{directory} is not a megatron checkpoint for this world size (no {path.name})")
-        self._load_hf(self.gpt, directory / "model")
-        state = torch.load(path, weights_only=False)
-        for optimizer, saved in zip(self._optimizers(), state["optimizers"], strict=True):
-            optimizer.optimizer.load_state_dict(saved)
-        self.model.zero_grad_buffer()
-        set_rng_state(state["rng"])
-        self.version, self.step_count = state["version"], state["step"]
+        megatron_checkpoint.load(self, directory)
 
     # -- rank 0 drives, the others follow ----------------------------------------------------
     def _execute(self, command: str, args: tuple) -> Any:
@@ -713,8 +683,13 @@ class MegatronTrainer:
         return await self._run("broadcast_stages", groups, buckets)
 
     async def save(self, directory: Path) -> None:
-        """Weights (HF format) plus each rank's optimizer state and RNG state."""
+        """A resumable distributed checkpoint (`megatron_checkpoint`): sharded model and optimizer
+        (float32 main parameters included), written by every rank; no HF export (see `export`)."""
         await self._run("save", Path(directory))
+
+    async def export(self, directory: Path) -> Path:
+        """The current weights as a Hugging Face model directory (written by rank 0)."""
+        return await self._run("export", Path(directory))
 
     async def load(self, directory: Path) -> None:
         await self._run("load", Path(directory))

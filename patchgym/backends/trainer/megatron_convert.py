@@ -123,12 +123,13 @@ class Layout:
         )
 
     # -- names and shapes ------------------------------------------------------------------
-    def _qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        per = self.heads // self.groups
+    def _qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int | None = None) -> torch.Tensor:
+        """megatron's qkv from HF's q, k, v projections (of `groups` query groups: all, or a TP rank's)."""
+        per, groups = self.heads // self.groups, groups or self.groups
         rest = q.shape[1:]
-        q = q.reshape(self.groups, per * self.head_dim, *rest)
-        k = k.reshape(self.groups, self.head_dim, *rest)
-        v = v.reshape(self.groups, self.head_dim, *rest)
+        q = q.reshape(groups, per * self.head_dim, *rest)
+        k = k.reshape(groups, self.head_dim, *rest)
+        v = v.reshape(groups, self.head_dim, *rest)
         return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -40,6 +40,22 @@ def renumber_expert(full_name: str, local_name: str, ep_rank: int, local_count: 
     return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{index}.", full_name)
 
 
+def router_gemm() -> str:
+    """Make megatron's MoE router work without TransformerEngine, on any device; the GEMM it uses
+    ("transformer_engine" or "torch").
+
+    megatron-core 0.16's router (`moe_utils.router_gating_linear`) tests `te_general_gemm is not
+    None` to choose TransformerEngine's GEMM, but the name is only defined when TransformerEngine
+    imports: without it the first MoE forward raises NameError. Defining it as None selects the
+    `torch.mm` path megatron has for that case (the same routing, in `moe_router_dtype`).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return "torch" if moe_utils.te_general_gemm is None else "transformer_engine"
+
+
 
 
 def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
