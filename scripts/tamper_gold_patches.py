@@ -16,12 +16,14 @@ Prints each flagged patch with its findings and the false-positive count (patche
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from patchgym.core.tamper import tamper_findings
@@ -59,7 +61,7 @@ def _changes(repo: Path, old_tree: str, new_tree: str, env: dict[str, str] | Non
             continue
         old_mode, new_mode, old_sha, new_sha, _ = meta[1:].decode().split(" ")
         name = path.decode("utf-8", "replace")
-        if TEST_PATH.search(name) or "160000" in (old_mode, new_mode):
+        if TEST_PATH.search(name) or "160000" in (old_mode, new_mode) or not _read(name):
             continue
 
         def blob(sha: str) -> bytes | None:
@@ -81,21 +83,28 @@ def _changes(repo: Path, old_tree: str, new_tree: str, env: dict[str, str] | Non
     return changes
 
 
+def _read(name: str) -> bool:
+    """Whether the checks read this file's content (others only count by their path)."""
+    return (
+        name.endswith((".py", ".pyw", ".pth", ".toml", ".cfg", ".ini", ".txt", ".sh", ".env", ".so"))
+        or "." not in name.rsplit("/", 1)[-1]
+    )
+
+
 def _paths(repo: Path, tree: str) -> set[str]:
     return set(git(repo, "ls-tree", "-r", "-z", "--name-only", tree).decode("utf-8", "replace").split("\0")) - {""}
 
 
-def history(repo: Path, commits: int) -> list[tuple[str, list[FileChange], set[str]]]:
+def history(repo: Path, commits: int) -> Iterator[tuple[str, list[FileChange], set[str]]]:
+    """One gold-patch-shaped change per first-parent commit that touches code or configuration."""
     shas = git(repo, "log", "--first-parent", "--format=%H %P", f"-n{commits}").decode().splitlines()
-    patches = []
     for line in shas:
         sha, *parents = line.split()
         if not parents:
             continue
         changes = _changes(repo, parents[0], sha)
-        if any(c.path.endswith(".py") or c.path.endswith((".toml", ".cfg", ".ini", ".pth")) for c in changes):
-            patches.append((f"{repo.parent.name}@{sha[:10]}", changes, _paths(repo, parents[0])))
-    return patches
+        if any(c.path.endswith((".py", ".toml", ".cfg", ".ini", ".pth")) for c in changes):
+            yield f"{repo.parent.name}@{sha[:10]}", changes, _paths(repo, parents[0])
 
 
 def fixture_rows() -> list[tuple[str, list[FileChange], set[str]]]:
@@ -124,17 +133,16 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=1000, help="first-parent commits per repository")
     parser.add_argument("--json", action="store_true", help="print the counts as JSON")
     args = parser.parse_args()
-    patches = fixture_rows()
-    for repo in args.repo:
-        patches += history(repo, args.commits)
-    flagged = 0
+    patches = itertools.chain(fixture_rows(), *(history(repo, args.commits) for repo in args.repo))
+    flagged = total = 0
     for name, changes, pristine in patches:
+        total += 1
         findings = tamper_findings(changes, pristine=pristine)
         if findings:
             flagged += 1
             print(name, json.dumps([f.as_dict() for f in findings[:5]]))
-    counts = {"patches": len(patches), "flagged": flagged}
-    print(json.dumps(counts) if args.json else f"{flagged} of {len(patches)} gold patches flagged (false positives)")
+    counts = {"patches": total, "flagged": flagged}
+    print(json.dumps(counts) if args.json else f"{flagged} of {total} gold patches flagged (false positives)")
 
 
 if __name__ == "__main__":

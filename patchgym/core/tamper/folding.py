@@ -143,6 +143,7 @@ class Folder:
             if isinstance(owner, str | bytes):
                 return self._method(owner, func.attr, args)
         name = self.qualname(func)
+        name = name.removeprefix("builtins.") if name and name.startswith("builtins.bytes.") else name
         if name in _BYTE_FUNCTIONS and len(args) == 1 and isinstance(args[0], str | bytes):
             data = args[0].encode("latin-1") if isinstance(args[0], str) else args[0]
             return _BYTE_FUNCTIONS[name](data)
