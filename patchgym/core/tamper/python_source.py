@@ -289,7 +289,7 @@ class _Visitor(ast.NodeVisitor):
             if callee.endswith(("_path", "FileLoader", "file_location"))
             else target
         )
-        if any(part in names.FRAMEWORK_MODULES for part in re.split(r"[./\\]", module)):
+        if any(part in names.FRAMEWORK_MODULES for part in re.split(r"[./\\:]", module)):
             self.add(names.IMPORTS_FRAMEWORK, node, f"{names.IMPORTS_FRAMEWORK}: {target}")
         elif callee.endswith(("_path", "FileLoader", "file_location", "zipimporter")):
             self.add(names.COMPUTED_IMPORT, node)  # a module from a file: whatever the file holds
