@@ -6,11 +6,13 @@ pristine tree from it and the agent's tree from the sandbox the agent used, comp
 on the host (`tree_diff`: no git of the agent's sandbox is involved), and copies the changed
 non-test files into the fresh sandbox, where the wrapped grader runs. No process, file outside
 the repository or shell state of the agent carries over. The diff is scanned by the tamper
-check (`tamper`) first; with `tamper_policy="zero"` a finding is reward 0.
+check (`tamper`: parsed code and parsed runner configuration) first; with
+`tamper_policy="zero"` a finding is reward 0.
 
 "in_place" mode grades the agent's own sandbox, as the wrapped grader alone would: weaker (the
 agent may have changed the interpreter, its shell start-up files or left processes behind), kept
-for speed and for task formats with no repository diff. Graders whose verdict rests on the
+for speed and for task formats with no repository diff. Its diff still passes the tamper check
+(a fresh sandbox is started only to read the pristine tree). Graders whose verdict rests on the
 whole sandbox (`grades_container_state`, e.g. Harbor's) are always graded in place.
 
 No grading error stops a run: any exception other than an `InfraError` is reward 0 with the
@@ -37,7 +39,7 @@ from patchgym.core.grading import zero_grade
 from patchgym.core.sandbox import Sandbox, SandboxBackend
 from patchgym.core.tamper import tamper_findings
 from patchgym.core.tasks import Grade, Grader, Task, start_task_sandbox
-from patchgym.core.tree_diff import FileChange, remove_tree, tree_changes
+from patchgym.core.tree_diff import FileChange, remove_tree, tree_changes, tree_paths
 
 GRADING_LABEL = {"role": "grading"}
 """Label of the fresh sandboxes graders start (beside the task's own labels)."""
@@ -79,7 +81,10 @@ class FreshSandboxGrader(Grader):
         details: dict[str, Any] = {"mode": mode}
         try:
             if mode == "in_place":
-                grade = await self.inner.grade(sandbox)
+                if self.tamper_policy != "off" and not self.inner.grades_container_state:
+                    async with await start_task_sandbox(self.backend, self._grading_task()) as fresh:
+                        await self._changes(sandbox, fresh, details)
+                grade = await self._in_place_grader().grade(sandbox)
             else:
                 grade = await self._grade_fresh(sandbox, details)
         except _Verdict as verdict:
@@ -90,6 +95,14 @@ class FreshSandboxGrader(Grader):
             grade = zero_grade("grading_error", message=f"{type(exc).__name__}: {exc}")
         details["total_s"] = round(time.perf_counter() - started, 3)
         return Grade(grade.reward, grade.resolved, grade.tests, {**grade.details, "grading": details})
+
+    def _in_place_grader(self) -> Grader:
+        """The inner grader, told this episode's tamper policy where it runs its own checks (Harbor's)."""
+        if dataclasses.is_dataclass(self.inner) and any(
+            f.name == "tamper_policy" for f in dataclasses.fields(self.inner)
+        ):
+            return dataclasses.replace(self.inner, tamper_policy=self.tamper_policy)  # type: ignore[type-var]
+        return self.inner
 
     async def _grade_fresh(self, agent_sandbox: Sandbox, details: dict[str, Any]) -> Grade:
         changes: list[FileChange] | None = None
@@ -131,6 +144,7 @@ class FreshSandboxGrader(Grader):
                     if isinstance(outcome, BaseException):
                         raise outcome
                 changes = await asyncio.to_thread(tree_changes, pristine, agent, self.inner.is_test_path)
+                pristine_paths = await asyncio.to_thread(tree_paths, pristine)
             finally:
                 await asyncio.to_thread(remove_tree, Path(scratch))
         size = sum(len(change.new or b"") for change in changes)
@@ -140,7 +154,7 @@ class FreshSandboxGrader(Grader):
                 zero_grade("diff_too_large", message=f"{size} bytes changed (max_diff_bytes {self.max_diff_bytes})")
             )
         if self.tamper_policy != "off":
-            findings = [finding.as_dict() for finding in tamper_findings(changes)]
+            findings = [finding.as_dict() for finding in tamper_findings(changes, pristine=pristine_paths)]
             details["tamper"] = findings
             if findings and self.tamper_policy == "zero":
                 raise _Verdict(zero_grade("tamper_suspected", {"tamper": findings}, message=findings[0]["what"]))
