@@ -13,7 +13,9 @@ Isolation (setting `isolation`):
   with the thread that started them (the kernel's parent-death signal), so that not even a
   SIGKILLed driver leaves one running: bwrap runs as PID 1 of a PID namespace of its own
   (util-linux `unshare`), so that whatever ends bwrap ends everything under it
-  (`_PID_NAMESPACE_INIT` says why).
+  (`_PID_NAMESPACE_INIT` says why). Task data under a bound directory (an installed patchgym
+  package with the `tiny` tasks' gold patches, the task's own folder, `hidden_paths`) is covered
+  by an empty read-only tmpfs (`hidden`), for wheel and editable installs alike.
 - `none`: commands run directly on the host as the current user. This is NOT a security
   boundary: a command can read and write anything the user can and can leave processes
   behind (also when the driver is SIGKILLed). Use it only for trusted code, or inside a
@@ -42,6 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from patchgym.backends.sandbox.hidden import hidden_host_paths, mask_args
 from patchgym.core.errors import ConfigError, SandboxLostError, SandboxStartError
 from patchgym.core.output import CappedBuffer
 from patchgym.core.sandbox import (
@@ -229,6 +232,7 @@ class LocalSandbox(Sandbox):
         args += ["--bind", str(self._root / "work"), self._spec.workdir, "--bind", str(self._root / "tmp"), "/tmp"]
         if Path(sys.prefix).parts[1] in _HIDDEN_FROM_BWRAP:  # keep this interpreter visible (a venv in /tmp)
             args += ["--ro-bind", sys.prefix, sys.prefix]
+        args += self._backend.mask_args(self._spec)
         return killed_with_parent(_bwrap_argv([*args, "--chdir", cwd], shell))
 
     async def _start(
@@ -351,6 +355,7 @@ class LocalSandboxBackend(SandboxBackend):
         root_dir: str | Path | None = None,
         io_workers: int = 8,
         drain_timeout_s: float = 2.0,
+        hidden_paths: list[str] | tuple[str, ...] = (),
     ) -> None:
         if isolation not in ("auto", "none", "bwrap"):
             raise ConfigError(f"local sandbox isolation must be 'auto', 'none' or 'bwrap', got {isolation!r}")
@@ -366,7 +371,9 @@ class LocalSandboxBackend(SandboxBackend):
         self.io_workers = io_workers
         self.drain_timeout_s = drain_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="patchgym-local-io")
+        self.hidden_paths = [str(p) for p in hidden_paths]
         self._root_binds: dict[str, list[str]] = {}
+        self._masks: dict[str, list[str]] = {}
         self._sandboxes: weakref.WeakSet[LocalSandbox] = weakref.WeakSet()
 
     def settings(self) -> dict[str, Any]:
@@ -375,8 +382,18 @@ class LocalSandboxBackend(SandboxBackend):
             "root_dir": str(self.root_dir),
             "io_workers": self.io_workers,
             "drain_timeout_s": self.drain_timeout_s,
+            "hidden_paths": self.hidden_paths,
             "enforces_resource_limits": False,
         }
+
+    def mask_args(self, spec: SandboxSpec) -> list[str]:
+        """bwrap arguments hiding task data and patchgym's own files from a sandbox (see `hidden`)."""
+        key = str(spec.workspace)
+        if key not in self._masks:
+            bound = [f"/{name}" for name in BWRAP_HOST_DIRS] + _interpreter_dirs() + [sys.prefix]
+            hidden = hidden_host_paths(spec.workspace, self.hidden_paths)
+            self._masks[key] = mask_args(hidden, bound, keep=_interpreter_dirs())
+        return self._masks[key]
 
     def root_binds(self, workdir: str) -> list[str]:
         if workdir not in self._root_binds:
