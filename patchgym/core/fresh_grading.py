@@ -17,7 +17,8 @@ No grading error stops a run: any exception other than an `InfraError` is reward
 reason `grading_error`. A sandbox lost during grading is graded again in another fresh sandbox
 (up to `regrade_attempts` times), then reward 0: the code under test killing its own container
 never escapes a zero. The agent's own sandbox gone before its tree is read stays an
-infrastructure fault (`SandboxLostError`): nothing tells it apart from a real loss.
+infrastructure fault (`SandboxLostError`), unless its backend tells that it ended from inside
+(`SandboxLostError.from_inside`): then it is reward 0 with the reason `sandbox_killed_by_agent`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from patchgym.core.errors import InfraError, SandboxLostError
+from patchgym.core.errors import AGENT_KILLED_SANDBOX, InfraError, SandboxLostError
 from patchgym.core.grading import zero_grade
 from patchgym.core.sandbox import Sandbox, SandboxBackend
 from patchgym.core.tamper import tamper_findings
@@ -84,6 +85,10 @@ class FreshSandboxGrader(Grader):
                 grade = await self._grade_fresh(sandbox, details)
         except _Verdict as verdict:
             grade = verdict.grade
+        except SandboxLostError as exc:
+            if not exc.from_inside:
+                raise
+            grade = zero_grade(AGENT_KILLED_SANDBOX, message=str(exc)[:500])  # the agent's sandbox ended itself
         except InfraError:
             raise
         except Exception as exc:  # a grading error is this episode's zero, never a stopped run

@@ -13,11 +13,18 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from patchgym.backends.sandbox.hidden import hidden_host_paths, mask_args
+from patchgym.core.errors import AGENT_KILLED_SANDBOX
+from patchgym.core.validation import apply_patch_command
+from patchgym.envs.swe import AsyncSWEEnv
+from patchgym.plugins.folder import tiny_task_set
 from tests.conftest import require_docker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,3 +106,93 @@ def test_masks_cover_the_package_and_task_folders_but_never_the_interpreter(tmp_
     paths = hidden_host_paths(task / "repo", extra=["/srv/tasks"])
     assert str(task) in paths and "/srv/tasks" in paths
     assert os.path.realpath(str(ROOT / "patchgym")) in paths  # this (editable) install
+
+
+# -- kind 6: retry as a channel -------------------------------------------------------------
+# An agent that ends its own sandbox got a retryable `sandbox_lost` infrastructure error on main
+# (its 0 traded for another try). A sandbox that ended from inside is scored now.
+
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+KILLERS = {
+    "kill-all": "kill -9 -1; sleep 5",
+    "kill-init": "kill 1; sleep 5",
+    "kill-init-child": "kill -9 $(cat /proc/1/task/1/children); sleep 5",
+}
+
+
+async def play(backend: Any, commands: list[str]) -> dict[str, Any]:
+    env = AsyncSWEEnv(tiny_task_set(), backend)
+    try:
+        await env.reset(options={"task": "roman-subtractive"})
+        for command in [*commands, SUBMIT]:
+            _, reward, terminated, truncated, info = await env.step(f"```bash\n{command}\n```")
+            if terminated or truncated:
+                break
+    finally:
+        await env.close()
+    return {"reward": reward, **info}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def docker_backend() -> AsyncIterator[Any]:
+    require_docker()
+    from patchgym.backends.sandbox.docker import DockerSandboxBackend
+
+    backend = DockerSandboxBackend(concurrency=4)
+    yield backend
+    await backend.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("attack", sorted(KILLERS))
+async def test_an_agent_that_ends_its_docker_sandbox_is_scored_not_retried(docker_backend: Any, attack: str) -> None:
+    info = await play(docker_backend, [KILLERS[attack]])
+    assert info["infra_error"] is None, info["infra_error"]
+    assert info["termination"] == AGENT_KILLED_SANDBOX and info["reward"] == 0.0
+    assert info["grade"]["details"]["reason"] == AGENT_KILLED_SANDBOX
+    assert (
+        "exited by itself" in info["grade"]["details"]["message"]
+        or "stopped by itself" in info["grade"]["details"]["message"]
+    )
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_killer_left_behind_ends_the_sandbox_between_commands(docker_backend: Any) -> None:
+    """The background killer escapes the command's process group and ends the container while no
+    command runs: the next command finds it stopped, and that is still the agent's doing."""
+    killer = "setsid sh -c 'sleep 1; kill -9 -1' >/dev/null 2>&1 < /dev/null &"
+    info = await play(docker_backend, [killer, "sleep 4", "sleep 1"])
+    assert info["infra_error"] is None, info["infra_error"]
+    assert (info["termination"], info["reward"]) == (AGENT_KILLED_SANDBOX, 0.0), info
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_container_removed_on_the_host_is_still_an_infrastructure_fault(docker_backend: Any) -> None:
+    """Control: the agent cannot remove its container; a loss it cannot have caused stays retryable."""
+    env = AsyncSWEEnv(tiny_task_set(), docker_backend)
+    try:
+        await env.reset(options={"task": "roman-subtractive"})
+        assert env.sandbox is not None
+        await docker_backend.remove(env.sandbox.container)  # type: ignore[attr-defined]
+        _, _, _, _, info = await env.step("```bash\nls\n```")
+    finally:
+        await env.close()
+    assert info["infra_error"]["kind"] == "sandbox_lost" and info["infra_error"]["retryable"] is True
+    assert info["termination"] == "infra_error"
+
+
+@pytest.mark.parametrize("attack", sorted(KILLERS))
+async def test_on_bwrap_a_killer_ends_only_its_own_command(attack: str, tmp_path: Path) -> None:
+    """bwrap gives each command its own PID namespace: the killer ends its command, the episode
+    goes on and the gold patch applied afterwards still scores 1."""
+    require_bwrap()
+    from patchgym.backends.sandbox.local import LocalSandboxBackend
+
+    backend = LocalSandboxBackend(isolation="bwrap", root_dir=tmp_path)
+    gold = tiny_task_set().get("roman-subtractive").gold_patch
+    assert gold is not None
+    try:
+        info = await play(backend, [KILLERS[attack], apply_patch_command(gold)])
+    finally:
+        await backend.aclose()
+    assert info["infra_error"] is None and (info["termination"], info["reward"]) == ("submitted", 1.0)

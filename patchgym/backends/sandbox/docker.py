@@ -32,7 +32,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +210,29 @@ class DockerSandbox(Sandbox):
         if self.channel is None:
             backend.exec_paths["exec"] += 1
 
+    async def _attributed(self, operation: Awaitable[T]) -> T:
+        """`operation`, a lost container told apart: one that exited by itself (its processes
+        stopped it, or the kernel OOM-killed them) while this sandbox was open is lost from inside."""
+        try:
+            return await operation
+        except SandboxLostError as exc:
+            if exc.from_inside or self._closed:
+                raise
+            try:
+                state = (await self._backend.run_sync(self._backend.client.api.inspect_container, self.container.id))[
+                    "State"
+                ]
+            except (InfraError, *_DOCKER_FAULTS):
+                raise exc from None  # gone (removed on the host) or the engine is unreachable: not the agent
+            if state.get("Running"):
+                raise
+            why = f"exit code {state.get('ExitCode')}" + (", OOM-killed" if state.get("OOMKilled") else "")
+            raise SandboxLostError(
+                f"{exc}; the container exited by itself ({why}): its own processes ended it",
+                retryable=False,
+                from_inside=True,
+            ) from exc
+
     async def exec(
         self,
         cmd: str,
@@ -218,6 +241,11 @@ class DockerSandbox(Sandbox):
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> ExecResult:
+        return await self._attributed(self._exec(cmd, timeout_s, cwd, env, max_output_bytes))
+
+    async def _exec(
+        self, cmd: str, timeout_s: float, cwd: str | None, env: Mapping[str, str] | None, max_output_bytes: int
     ) -> ExecResult:
         self._check_open()
         workdir = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
@@ -286,6 +314,9 @@ class DockerSandbox(Sandbox):
             raise _translate(exc, "exec failed") from exc
 
     async def read_file(self, path: str) -> bytes:
+        return await self._attributed(self._read_file(path))
+
+    async def _read_file(self, path: str) -> bytes:
         self._check_open()
         target = self._path(path)
         for _ in range(8):  # follow symbolic links, each hop confined like the path itself
@@ -318,7 +349,7 @@ class DockerSandbox(Sandbox):
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
         payload = _tar_file(self._path(path), data.encode() if isinstance(data, str) else data)
-        await self._backend.run_sync(_put_archive, self.container, "/", payload)
+        await self._attributed(self._backend.run_sync(_put_archive, self.container, "/", payload))
 
     async def upload_dir(self, local_dir: Path, path: str) -> None:
         self._check_open()
@@ -328,7 +359,7 @@ class DockerSandbox(Sandbox):
 
     async def download_dir(self, path: str, local_dir: Path) -> None:
         self._check_open()
-        await self._backend.run_sync(self._extract_to, self._path(path), Path(local_dir))
+        await self._attributed(self._backend.run_sync(self._extract_to, self._path(path), Path(local_dir)))
 
     def _extract_to(self, target: str, local_dir: Path) -> None:
         try:
