@@ -162,15 +162,13 @@ class FreshSandboxGrader(Grader):
 
     @staticmethod
     async def _apply(fresh: Sandbox, changes: list[FileChange]) -> None:
-        """Delete what the agent deleted (and paths that changed kind), then write files one by one
-        (an archive of the whole tree would also reset the workdir's owner and mode), then make
-        links and set executable bits."""
+        """Delete what the agent deleted (and paths that changed kind), then write the files
+        (`write_files`: one archive on Docker, holding files only, so no directory's owner or mode
+        changes), then make links and set executable bits."""
         doomed = [change.path for change in changes if change.deleted or change.old is None or change.new_link]
         if doomed:
             await _run(fresh, f"rm -rf -- {_quoted(doomed)}")
-        for change in changes:
-            if change.new is not None:
-                await fresh.write_file(change.path, change.new)
+        await fresh.write_files({change.path: change.new for change in changes if change.new is not None})
         script = [
             f"mkdir -p -- {shlex.quote(posixpath.dirname(c.path) or '.')} "
             f"&& ln -s -- {shlex.quote(c.new_link)} {shlex.quote(c.path)}"

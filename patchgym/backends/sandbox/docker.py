@@ -120,13 +120,17 @@ def _tar_dir(local_dir: Path, target: str) -> tempfile.SpooledTemporaryFile[byte
     return archive
 
 
-def _tar_file(path: str, data: bytes) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        info = tarfile.TarInfo(path.lstrip("/"))
-        info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
-        tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+def _tar_files(files: Mapping[str, bytes]) -> tempfile.SpooledTemporaryFile[bytes]:
+    """A tar of regular files only (absolute paths to bytes): extracted at "/", it creates their
+    missing parents and leaves existing directories' owner and mode alone."""
+    archive = tempfile.SpooledTemporaryFile(max_size=32 << 20)  # noqa: SIM115 - the caller closes it
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        for path, data in files.items():
+            info = tarfile.TarInfo(path.lstrip("/"))
+            info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    archive.seek(0)
+    return archive
 
 
 def _put_archive(container: Container, target: str, payload: Any) -> None:
@@ -348,8 +352,13 @@ class DockerSandbox(Sandbox):
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
-        payload = _tar_file(self._path(path), data.encode() if isinstance(data, str) else data)
-        await self._attributed(self._backend.run_sync(_put_archive, self.container, "/", payload))
+        await self.write_files({path: data.encode() if isinstance(data, str) else data})
+
+    async def write_files(self, files: Mapping[str, bytes]) -> None:
+        self._check_open()
+        archive = await self._backend.run_sync(_tar_files, {self._path(path): data for path, data in files.items()})
+        with archive:
+            await self._attributed(self._backend.run_sync(_put_archive, self.container, "/", archive))
 
     async def upload_dir(self, local_dir: Path, path: str) -> None:
         self._check_open()

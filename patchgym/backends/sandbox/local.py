@@ -320,6 +320,17 @@ class LocalSandbox(Sandbox):
 
         await self._backend.run_io(write)
 
+    async def write_files(self, files: Mapping[str, bytes]) -> None:
+        self._check_open()
+        targets = {self._host_path(path): data for path, data in files.items()}
+
+        def write() -> None:
+            for target, data in targets.items():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+
+        await self._backend.run_io(write)
+
     async def upload_dir(self, local_dir: Path, path: str) -> None:
         self._check_open()
         copy = partial(shutil.copytree, local_dir, self._host_path(path), symlinks=True, dirs_exist_ok=True)
