@@ -6,7 +6,10 @@ pristine tree from it and the agent's tree from the sandbox the agent used, comp
 on the host (`tree_diff`: no git of the agent's sandbox is involved), and copies the changed
 non-test files into the fresh sandbox, where the wrapped grader runs. No process, file outside
 the repository or shell state of the agent carries over. The diff is scanned by the tamper
-check (`tamper`) first; with `tamper_policy="zero"` a finding is reward 0.
+check (`tamper`) first; with `tamper_policy="zero"` a finding is reward 0. Before anything is
+copied out, both trees are measured in their sandboxes (`tree_limits`): an agent's tree beyond
+the pristine one by more than `max_diff_files` entries or `max_diff_bytes` bytes is reward 0
+with nothing downloaded. Grading as a whole is bounded by `grading_timeout_s` (`grading_timeout`).
 
 "in_place" mode grades the agent's own sandbox, as the wrapped grader alone would: weaker (the
 agent may have changed the interpreter, its shell start-up files or left processes behind), kept
@@ -39,6 +42,7 @@ from patchgym.core.sandbox import Sandbox, SandboxBackend
 from patchgym.core.tamper import tamper_findings
 from patchgym.core.tasks import Grade, Grader, Task, start_task_sandbox
 from patchgym.core.tree_diff import FileChange, remove_tree, tree_changes
+from patchgym.core.tree_limits import TreeLimitExceeded, check_tree, measure_tree
 
 GRADING_LABEL = {"role": "grading"}
 """Label of the fresh sandboxes graders start (beside the task's own labels)."""
@@ -66,6 +70,8 @@ class FreshSandboxGrader(Grader):
     tamper_policy: TamperPolicy = "zero"
     regrade_attempts: int = 1
     max_diff_bytes: int = 50_000_000
+    max_diff_files: int = 10_000
+    grading_timeout_s: float = 3600.0
 
     @property
     def grades_container_state(self) -> bool:  # type: ignore[override]
@@ -79,10 +85,11 @@ class FreshSandboxGrader(Grader):
         mode = "in_place" if self.mode == "in_place" or self.inner.grades_container_state else "fresh"
         details: dict[str, Any] = {"mode": mode}
         try:
-            if mode == "in_place":
-                grade = await self.inner.grade(sandbox)
-            else:
-                grade = await self._grade_fresh(sandbox, details)
+            grading = self.inner.grade(sandbox) if mode == "in_place" else self._grade_fresh(sandbox, details)
+            grade = await asyncio.wait_for(grading, self.grading_timeout_s)
+        except TimeoutError:
+            message = f"grading took longer than grading_timeout_s ({self.grading_timeout_s:g} s)"
+            grade = zero_grade("grading_timeout", message=message)
         except _Verdict as verdict:
             grade = verdict.grade
         except SandboxLostError as exc:
@@ -123,7 +130,9 @@ class FreshSandboxGrader(Grader):
         return dataclasses.replace(self.task, sandbox=dataclasses.replace(self.task.sandbox, labels=labels))
 
     async def _changes(self, agent_sandbox: Sandbox, fresh: Sandbox, details: dict[str, Any]) -> list[FileChange]:
-        """The agent's non-test changes, after the tamper check and the size limit."""
+        """The agent's non-test changes, after the limits (checked in the sandboxes before the copy,
+        and on the copy) and the tamper check."""
+        await self._check_tree(agent_sandbox, fresh, details)
         with tempfile.TemporaryDirectory(prefix="patchgym-diff-") as scratch:
             pristine, agent = Path(scratch) / "pristine", Path(scratch) / "agent"
             try:
@@ -144,12 +153,31 @@ class FreshSandboxGrader(Grader):
             raise _Verdict(
                 zero_grade("diff_too_large", message=f"{size} bytes changed (max_diff_bytes {self.max_diff_bytes})")
             )
+        if len(changes) > self.max_diff_files:
+            message = f"{len(changes)} files changed (max_diff_files {self.max_diff_files})"
+            raise _Verdict(zero_grade("too_many_files", message=message))
         if self.tamper_policy != "off":
             findings = [finding.as_dict() for finding in tamper_findings(changes)]
             details["tamper"] = findings
             if findings and self.tamper_policy == "zero":
                 raise _Verdict(zero_grade("tamper_suspected", {"tamper": findings}, message=findings[0]["what"]))
         return changes
+
+    async def _check_tree(self, agent_sandbox: Sandbox, fresh: Sandbox, details: dict[str, Any]) -> None:
+        """Measure both trees where they lie (`tree_limits`); a tree beyond the limits is reward 0
+        before anything is copied out."""
+        started = time.perf_counter()
+        try:
+            agent, pristine = await asyncio.gather(
+                measure_tree(agent_sandbox, timeout_s=self.grading_timeout_s),
+                measure_tree(fresh, timeout_s=self.grading_timeout_s),
+            )
+            details["measure_s"] = round(time.perf_counter() - started, 3)
+            if agent is not None:
+                details.update(tree_entries=agent.entries, tree_bytes=agent.bytes)
+            check_tree(agent, pristine, max_files=self.max_diff_files, max_bytes=self.max_diff_bytes)
+        except TreeLimitExceeded as exc:
+            raise _Verdict(zero_grade(exc.reason, message=str(exc))) from None
 
     async def _download_agent(self, agent_sandbox: Sandbox, folder: Path) -> None:
         try:

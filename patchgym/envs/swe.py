@@ -90,7 +90,16 @@ class EnvConfig(BaseModel):
         "zero", description="what a tamper finding on the agent's diff costs: 'zero' reward, 'flag' only, or 'off'"
     )
     regrade_attempts: int = Field(1, ge=0, description="fresh sandboxes tried again when one is lost during grading")
-    max_diff_bytes: int = Field(50_000_000, gt=0, description="bytes of changed files carried into the grading sandbox")
+    max_diff_bytes: int = Field(
+        50_000_000,
+        gt=0,
+        description="bytes of changed files carried into the grading sandbox (the agent's tree is measured "
+        "in its sandbox first: a tree grown by more than this is reward 0 before anything is copied out)",
+    )
+    max_diff_files: int = Field(
+        10_000, gt=0, description="files the agent may change (entries its tree may add), checked the same way"
+    )
+    grading_timeout_s: float = Field(3600.0, gt=0, description="seconds grading one episode may take (then reward 0)")
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
 
@@ -316,6 +325,8 @@ class AsyncSWEEnv:
             tamper_policy=self.config.tamper_policy,
             regrade_attempts=self.config.regrade_attempts,
             max_diff_bytes=self.config.max_diff_bytes,
+            max_diff_files=self.config.max_diff_files,
+            grading_timeout_s=self.config.grading_timeout_s,
         )
         try:
             grade = await grader.grade(self.sandbox)

@@ -40,10 +40,12 @@ from typing import Any, TypeVar
 
 import docker
 import docker.errors
+import docker.types
 import requests.exceptions
 from docker.models.containers import Container
 from docker.utils.socket import frames_iter
 
+from patchgym.backends.sandbox.disk_quota import DiskQuota
 from patchgym.backends.sandbox.exec_channel import ExecChannel
 from patchgym.backends.sandbox.process_group import group_argv, kill_group_command
 from patchgym.core.errors import (
@@ -246,7 +248,13 @@ class DockerSandbox(Sandbox):
         env: Mapping[str, str] | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> ExecResult:
-        return await self._attributed(self._exec(cmd, timeout_s, cwd, env, max_output_bytes))
+        command = self._exec(cmd, timeout_s, cwd, env, max_output_bytes)
+        if self._backend.storage_opt_quota:  # the engine enforces the quota
+            return await self._attributed(command)
+        return await self._attributed(self._backend.quota.run(command, self._disk_used))
+
+    async def _disk_used(self) -> int:
+        return await self._backend.run_sync(self._backend.disk_used, self.container.id)
 
     async def _exec(
         self, cmd: str, timeout_s: float, cwd: str | None, env: Mapping[str, str] | None, max_output_bytes: int
@@ -425,6 +433,8 @@ class DockerSandboxBackend(SandboxBackend):
         reap_dead_owners: bool = True,
         exec_channel: bool = True,
         channel_start_timeout_s: float = 60.0,
+        disk_quota_mb: int | None = 10_240,
+        disk_check_interval_s: float = 1.0,
     ) -> None:
         if concurrency < 1 or pool_size < 0 or pool_refill_concurrency < 1:
             raise ConfigError("docker backend: concurrency and pool_refill_concurrency must be >= 1, pool_size >= 0")
@@ -440,6 +450,9 @@ class DockerSandboxBackend(SandboxBackend):
         self.exec_channel = exec_channel
         self.channel_start_timeout_s = channel_start_timeout_s
         self.exec_paths: Counter[str] = Counter()
+        self.quota = DiskQuota(disk_quota_mb * 2**20 if disk_quota_mb else None, disk_check_interval_s)
+        self.storage_opt_quota: bool | None = None
+        """Whether the engine enforces the quota itself (`--storage-opt size`); None until a container says."""
         try:
             kwargs: dict[str, Any] = {"max_pool_size": concurrency + pool_refill_concurrency, "timeout": api_timeout_s}
             self.client = docker.DockerClient(base_url=base_url, **kwargs) if base_url else docker.from_env(**kwargs)
@@ -467,6 +480,9 @@ class DockerSandboxBackend(SandboxBackend):
             "default_image": self.default_image,
             "network": self.network,
             "kill_grace_s": self.kill_grace_s,
+            "disk_quota_bytes": self.quota.quota_bytes,
+            "disk_check_interval_s": self.quota.interval_s,
+            "disk_quota_by": self._quota_by(),
             "owner": self.owner,
             "run_id": self.run_id,
             "enforces_resource_limits": True,
@@ -478,6 +494,29 @@ class DockerSandboxBackend(SandboxBackend):
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking SDK call on the backend's thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _quota_by(self) -> str:
+        if self.quota.quota_bytes is None:
+            return "none"
+        return {True: "storage-opt", False: "watch"}.get(self.storage_opt_quota, "storage-opt or watch")  # type: ignore[arg-type]
+
+    def _quota_options(self) -> dict[str, Any]:
+        """Container options of the disk quota: the engine's own (`storage_opt`, overlay on XFS
+        with pquota) where it has one, else a file size limit (the watch does the rest)."""
+        quota = self.quota.quota_bytes
+        if quota is None:
+            return {}
+        if self.storage_opt_quota is not False:
+            return {"storage_opt": {"size": f"{quota // 2**20}m"}}
+        return {"ulimits": [docker.types.Ulimit(name="fsize", soft=quota, hard=quota)]}
+
+    def disk_used(self, container_id: str) -> int:
+        """Bytes in a container's writable layer, as the engine counts them (apparent sizes)."""
+        try:
+            found = self.client.api.containers(all=True, size=True, filters={"id": container_id})
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "measuring disk use failed") from exc
+        return int(found[0].get("SizeRw") or 0) if found else 0
 
     def channel_for(self, container: Container) -> ExecChannel:
         """A new exec channel into `container` (one per sandbox: nothing is shared)."""
@@ -618,17 +657,7 @@ class DockerSandboxBackend(SandboxBackend):
         # its home is in /tmp, which it can write (an image's nobody has none)
         environment = {"HOME": "/tmp", **dict(shape.env)} if shape.user else dict(shape.env)
         try:  # create + start, not run: run would try to pull a missing image from a registry
-            container = self.client.containers.create(
-                shape.image,
-                ["sleep", "infinity"],
-                init=True,
-                labels=dict(labels),
-                working_dir=shape.workdir,
-                environment=environment,
-                user=shape.user or "",
-                **network,
-                **limits,
-            )
+            container = self._create(shape, labels, environment, {**network, **limits})
         except docker.errors.ImageNotFound as exc:
             raise BuildError(missing_image_hint(shape.image)) from exc
         except _DOCKER_FAULTS as exc:
@@ -638,6 +667,33 @@ class DockerSandboxBackend(SandboxBackend):
         except _DOCKER_FAULTS as exc:
             self._remove_sync(container)
             raise SandboxStartError(f"cannot start a container from {shape.image!r}: {exc}") from exc
+        return container
+
+    def _create(
+        self, shape: _Shape, labels: Mapping[str, str], environment: dict[str, str], options: dict[str, Any]
+    ) -> Container:
+        def create() -> Container:
+            return self.client.containers.create(
+                shape.image,
+                ["sleep", "infinity"],
+                init=True,
+                labels=dict(labels),
+                working_dir=shape.workdir,
+                environment=environment,
+                user=shape.user or "",
+                **options,
+                **self._quota_options(),
+            )
+
+        try:
+            container = create()
+        except docker.errors.APIError as exc:
+            if "storage-opt" not in str(exc.explanation or exc) or self.storage_opt_quota:
+                raise
+            self.storage_opt_quota = False  # this storage driver has no quota: watch instead
+            return create()
+        if self.quota.quota_bytes is not None and self.storage_opt_quota is None:
+            self.storage_opt_quota = True
         return container
 
     def _provision(self, shape: _Shape, labels: Mapping[str, str]) -> Container:

@@ -21,7 +21,8 @@ Isolation (setting `isolation`):
   behind (also when the driver is SIGKILLed). Use it only for trusted code, or inside a
   container you treat as the boundary.
 - `auto` (default): `bwrap` if bubblewrap is installed and works here, else `none`.
-CPU, memory and PID limits in the spec are not enforced by this backend.
+CPU, memory and PID limits in the spec are not enforced by this backend. A disk quota per sandbox
+(`disk_quota_mb`) is: a command that takes the sandbox's folder over it is killed (`disk_quota`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from patchgym.backends.sandbox.disk_quota import DiskQuota, disk_usage
 from patchgym.backends.sandbox.hidden import hidden_host_paths, mask_args
 from patchgym.core.errors import ConfigError, SandboxLostError, SandboxStartError
 from patchgym.core.output import CappedBuffer
@@ -272,6 +274,12 @@ class LocalSandbox(Sandbox):
         env: Mapping[str, str] | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> ExecResult:
+        command = self._exec(cmd, timeout_s, cwd, env, max_output_bytes)
+        return await self._backend.quota.run(command, partial(self._backend.run_io, disk_usage, self._root))
+
+    async def _exec(
+        self, cmd: str, timeout_s: float, cwd: str | None, env: Mapping[str, str] | None, max_output_bytes: int
+    ) -> ExecResult:
         self._check_open()
         view_cwd = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
         host_cwd = self._host_path(view_cwd)
@@ -367,6 +375,8 @@ class LocalSandboxBackend(SandboxBackend):
         io_workers: int = 8,
         drain_timeout_s: float = 2.0,
         hidden_paths: list[str] | tuple[str, ...] = (),
+        disk_quota_mb: int | None = 10_240,
+        disk_check_interval_s: float = 1.0,
     ) -> None:
         if isolation not in ("auto", "none", "bwrap"):
             raise ConfigError(f"local sandbox isolation must be 'auto', 'none' or 'bwrap', got {isolation!r}")
@@ -383,6 +393,7 @@ class LocalSandboxBackend(SandboxBackend):
         self.drain_timeout_s = drain_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="patchgym-local-io")
         self.hidden_paths = [str(p) for p in hidden_paths]
+        self.quota = DiskQuota(disk_quota_mb * 2**20 if disk_quota_mb else None, disk_check_interval_s)
         self._root_binds: dict[str, list[str]] = {}
         self._masks: dict[str, list[str]] = {}
         self._sandboxes: weakref.WeakSet[LocalSandbox] = weakref.WeakSet()
@@ -394,6 +405,9 @@ class LocalSandboxBackend(SandboxBackend):
             "io_workers": self.io_workers,
             "drain_timeout_s": self.drain_timeout_s,
             "hidden_paths": self.hidden_paths,
+            "disk_quota_bytes": self.quota.quota_bytes,
+            "disk_check_interval_s": self.quota.interval_s,
+            "disk_quota_by": "watch" if self.quota.quota_bytes else "none",
             "enforces_resource_limits": False,
         }
 
