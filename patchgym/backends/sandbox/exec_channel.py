@@ -38,7 +38,8 @@ from patchgym.core.sandbox import ExecResult
 
 HEADER = struct.Struct(">IBI")
 _DOCKER_HEADER = struct.Struct(">BxxxI")
-_SERVER_SOURCE = Path(__file__).with_name("exec_server.py")
+_SERVER_SOURCE = Path(__file__).with_name("exec_server.py").read_text()
+"""Read once at import: a later rewrite of the file does not reach the sandboxes."""
 _LAUNCH = 'for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; exit 127'
 SERVER_KILLED_NOTE = (
     "patchgym: the sandbox's exec server was killed while this command ran (a command in the sandbox "
@@ -52,7 +53,7 @@ Call = Callable[..., Awaitable[Any]]
 
 def launch_argv() -> list[str]:
     """The exec that starts the server with the image's python3 (or python); exit 127 if none."""
-    return ["sh", "-c", _LAUNCH, _SERVER_SOURCE.read_text()]
+    return ["sh", "-c", _LAUNCH, _SERVER_SOURCE]
 
 
 class _Server:

@@ -16,9 +16,10 @@ Isolation (setting `isolation`):
   (`_PID_NAMESPACE_INIT` says why). Task data under a bound directory (an installed patchgym
   package with the `tiny` tasks' gold patches, the task's own folder, `hidden_paths`) is covered
   by an empty read-only tmpfs (`hidden`), for wheel and editable installs alike.
-- `none`: commands run directly on the host as the current user. This is NOT a security
-  boundary: a command can read and write anything the user can and can leave processes
-  behind (also when the driver is SIGKILLed). Use it only for trusted code, or inside a
+- `none`: commands run directly on the host as the current user, each under a subreaper
+  (`reaper`) that kills every descendant when the command ends, setsid and double forks
+  included. This is NOT a security boundary: a command can read and write anything the user
+  can, and one that kills its subreaper can leave processes behind. Use it only for trusted code, or inside a
   container you treat as the boundary.
 - `auto` (default): `bwrap` if bubblewrap is installed and works here, else `none`.
 CPU, memory and PID limits in the spec are not enforced by this backend. A disk quota per sandbox
@@ -63,6 +64,8 @@ from patchgym.process_groups import PARENT_CHECK, killed_with_parent
 Isolation = Literal["auto", "none", "bwrap"]
 T = TypeVar("T")
 
+REAPER_SOURCE = Path(__file__).with_name("reaper.py").read_text()
+"""The `none` subreaper's source, read once at import (a command rewriting the file changes nothing)."""
 _ROOT_PREFIX = "patchgym-"
 _LABELS_FILE = "labels.json"
 _HIDDEN_FROM_BWRAP = {"proc", "dev", "sys", "tmp", "run", "var"}
@@ -224,8 +227,8 @@ class LocalSandbox(Sandbox):
 
     def _argv(self, cmd: str, cwd: str) -> list[str]:
         shell = ["bash", "-c", cmd]
-        if not self._bwrap:
-            return shell
+        if not self._bwrap:  # a subreaper that kills whatever the command leaves behind
+            return [sys.executable, "-I", "-S", "-c", REAPER_SOURCE, str(os.getpid()), *shell]
         args = ["--unshare-ipc", "--unshare-uts"]
         if not self._spec.network:
             args.append("--unshare-net")
@@ -297,6 +300,10 @@ class LocalSandbox(Sandbox):
                 timed_out = not done
         finally:
             self._running.discard(group)
+            if not self._bwrap and not capture.exited.done():  # the reaper sweeps, then exits
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(group, signal.SIGTERM)
+                await asyncio.wait([capture.exited], timeout=self._backend.drain_timeout_s)
             _kill_group(group)  # also removes background processes the command left behind
             await asyncio.wait([capture.exited, capture.drained], timeout=self._backend.drain_timeout_s)
             transport.close()
@@ -353,7 +360,11 @@ class LocalSandbox(Sandbox):
         """Take no more commands and kill those running (their `exec` raises `SandboxLostError`)."""
         self._closed = True
         for group in self._running:
-            _kill_group(group)
+            if self._bwrap:
+                _kill_group(group)
+            else:  # the reaper sweeps its descendants and exits; `exec` kills what is left
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(group, signal.SIGTERM)
 
     async def close(self) -> None:
         if self._closed:
