@@ -37,6 +37,9 @@ from patchgym.core.test_reports import LOG_PARSERS, ReportError, parse_junit_xml
 
 UNITTEST_RUNNER = Path(__file__).with_name("unittest_junit.py")
 """Standalone script that runs a unittest suite and writes JUnit XML (see its docstring)."""
+UNITTEST_RUNNER_SOURCE = UNITTEST_RUNNER.read_bytes()
+"""Its bytes, read once at import: every grading copies these, so a command that rewrites
+patchgym's files (possible on `isolation="none"`) cannot change what later gradings run."""
 
 UNITTEST_COMMAND = "{python} -s -E {runner} --report {report} --start tests --top ."
 """Test command for plain-unittest projects whose tests live in `tests/` (`{python}`: the
@@ -159,9 +162,7 @@ class TestCommandGrader(ShellGrader):
         room = await GradingRoom.open(sandbox)
         await self._restore(room)
         runner = (
-            await room.write(UNITTEST_RUNNER.name, UNITTEST_RUNNER.read_bytes())
-            if "{runner}" in self.test_command
-            else ""
+            await room.write(UNITTEST_RUNNER.name, UNITTEST_RUNNER_SOURCE) if "{runner}" in self.test_command else ""
         )
         if "{python}" in self.test_command and not room.python:
             raise GradeFailure("no_interpreter", f"python3 is not on the sandbox's PATH ({room.path})")

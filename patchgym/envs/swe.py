@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from patchgym.core.actions import BashBlockParser, submitted_by_output
 from patchgym.core.config import validate
-from patchgym.core.errors import ConfigError, InfraError, SandboxLostError
+from patchgym.core.errors import AGENT_KILLED_SANDBOX, ConfigError, InfraError, SandboxLostError
 from patchgym.core.fresh_grading import FreshSandboxGrader, GradingMode, TamperPolicy
+from patchgym.core.grading import zero_grade
 from patchgym.core.output import head_tail
 from patchgym.core.plugins import registry
 from patchgym.core.sandbox import ExecResult, Sandbox, SandboxBackend
@@ -89,7 +90,16 @@ class EnvConfig(BaseModel):
         "zero", description="what a tamper finding on the agent's diff costs: 'zero' reward, 'flag' only, or 'off'"
     )
     regrade_attempts: int = Field(1, ge=0, description="fresh sandboxes tried again when one is lost during grading")
-    max_diff_bytes: int = Field(50_000_000, gt=0, description="bytes of changed files carried into the grading sandbox")
+    max_diff_bytes: int = Field(
+        50_000_000,
+        gt=0,
+        description="bytes of changed files carried into the grading sandbox (the agent's tree is measured "
+        "in its sandbox first: a tree grown by more than this is reward 0 before anything is copied out)",
+    )
+    max_diff_files: int = Field(
+        10_000, gt=0, description="files the agent may change (entries its tree may add), checked the same way"
+    )
+    grading_timeout_s: float = Field(3600.0, gt=0, description="seconds grading one episode may take (then reward 0)")
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
 
@@ -205,6 +215,12 @@ class AsyncSWEEnv:
             return await self._finish("", action, "max_wall_time")
         try:
             result = await self._exec(parsed.command, min(self.config.command_timeout_s, remaining))
+        except SandboxLostError as exc:
+            self.trajectory.turns.append(Turn(action, "", "command"))
+            if exc.from_inside:  # the agent's command may have ended its own sandbox: scored, not retried
+                return await self._killed_by_agent(exc, action)
+            self._end("infra_error", infra_error=exc)
+            return await self._finish("", action, "infra_error")
         except InfraError as exc:
             self.trajectory.turns.append(Turn(action, "", "command"))
             self._end("infra_error", infra_error=exc)
@@ -225,6 +241,17 @@ class AsyncSWEEnv:
         if submit:
             return await self._finish(observation, action, "submitted")
         return await self._finish_if_capped(observation, action)
+
+    async def _killed_by_agent(
+        self, error: SandboxLostError, action: str
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """End the episode whose sandbox ended from inside while the agent's command ran: reward 0
+        with the reason `sandbox_killed_by_agent` (a retry would trade the agent's 0 for another try)."""
+        assert self.trajectory is not None
+        self._end(AGENT_KILLED_SANDBOX)
+        grade = zero_grade(AGENT_KILLED_SANDBOX, message=str(error)[:500])
+        self.trajectory.grade, self.trajectory.reward = grade.as_dict(), grade.reward
+        return await self._finish("", action, AGENT_KILLED_SANDBOX)
 
     async def _exec(self, command: str, timeout_s: float) -> ExecResult:
         """Run the agent's command. A command that outlives `timeout_s` is killed by the sandbox and
@@ -275,7 +302,7 @@ class AsyncSWEEnv:
         assert self.trajectory is not None and self.task is not None
         if not self._done:
             self._end(reason)
-        if self.trajectory.infra_error is None and self.sandbox is not None:
+        if self.trajectory.infra_error is None and self.sandbox is not None and self.trajectory.grade is None:
             if self.trajectory.termination == "submitted" or self.config.unsubmitted == "graded":
                 await self._grade()
             else:
@@ -298,6 +325,8 @@ class AsyncSWEEnv:
             tamper_policy=self.config.tamper_policy,
             regrade_attempts=self.config.regrade_attempts,
             max_diff_bytes=self.config.max_diff_bytes,
+            max_diff_files=self.config.max_diff_files,
+            grading_timeout_s=self.config.grading_timeout_s,
         )
         try:
             grade = await grader.grade(self.sandbox)
