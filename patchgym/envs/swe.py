@@ -90,8 +90,11 @@ class EnvConfig(BaseModel):
     )
     regrade_attempts: int = Field(1, ge=0, description="fresh sandboxes tried again when one is lost during grading")
     max_diff_bytes: int = Field(50_000_000, gt=0, description="bytes of changed files carried into the grading sandbox")
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    instance_template: str = DEFAULT_INSTANCE_TEMPLATE
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="the system message of every episode")
+    instance_template: str = Field(
+        DEFAULT_INSTANCE_TEMPLATE,
+        description="the first user message; {instruction} is the task's issue text, {workdir} the repository",
+    )
 
     def limits(self) -> dict[str, Any]:
         return self.model_dump(exclude={"system_prompt", "instance_template", "action_fence"})
