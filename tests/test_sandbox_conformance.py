@@ -24,9 +24,7 @@ class TestSandboxConformance(SandboxConformance):
 
 
 async def test_bwrap_isolation_protects_the_host(tmp_path: Path, workspace: Path) -> None:
-    from patchgym.backends.sandbox.local import LocalSandboxBackend
-
-    from patchgym.backends.sandbox.local import _bwrap_problem
+    from patchgym.backends.sandbox.local import LocalSandboxBackend, _bwrap_problem
 
     if _bwrap_problem() is not None:
         pytest.skip("bubblewrap is not usable here")

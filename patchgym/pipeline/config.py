@@ -123,6 +123,12 @@ class GRPOConfig(_Strict):
     )
     lr: float | None = Field(None, gt=0, description="peak learning rate of this stage (None: the trainer's lr)")
     rollout: RolloutConfig = Field(RolloutConfig(), description="how GRPO groups are sampled and batched")
+    zero_reward_warn_steps: int | None = Field(
+        10,
+        ge=1,
+        description="warn (console and a warning event) when every episode earned 0 for this many steps in a row, "
+        "with likely causes (null: never)",
+    )
     loss: LossConfig = LossConfig()
 
 
