@@ -49,8 +49,8 @@ from patchgym.launch.placement import Slot, place_roles
 from patchgym.launch.plan import LOCAL, LaunchPlan, LocalPlacer, Placer, PlannedPorts, ProcessPlan, Where, spans
 from patchgym.launch.ranks import RanksPlan, loopback_env, megatron_backend, plan_ranks, rank_process, torchrun_world
 from patchgym.pipeline.checks import check_files, check_parts, model_dir
-from patchgym.pipeline.model_source import is_hub_id
 from patchgym.pipeline.config import RunConfig
+from patchgym.pipeline.model_source import is_hub_id
 
 
 def _factory(kind: Kind, name: str) -> Callable[..., Any]:
