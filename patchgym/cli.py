@@ -423,6 +423,12 @@ def report(
                 console.print(table, markup=False, highlight=False, soft_wrap=True)
             plot = compare_endings(run_dirs, Path(run_dirs[0]) / "report")
             console.print(f"wrote {escape(str(plot))}: the runs' endings per step together")
+        if len(run_dirs) > 2:  # seeds of one config: each figure as a range
+            from patchgym.seed_spread import spread_plot, spread_table
+
+            console.print(spread_table(run_dirs), markup=False, highlight=False, soft_wrap=True)
+            plot = spread_plot(run_dirs, Path(run_dirs[0]) / "report")
+            console.print(f"wrote {escape(str(plot))}: the runs' training reward, mean and range")
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
 
