@@ -76,3 +76,28 @@ def test_real_small_dry_run_downloads_nothing(monkeypatch: pytest.MonkeyPatch, t
     assert "is a Hub id: the run downloads it" in notes
     assert "would stop" not in notes  # nothing the run checks first fails
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_hub_id_is_fetched_once_and_every_part_gets_the_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    pytest.importorskip("torch")
+    import huggingface_hub
+
+    from patchgym.pipeline.run import Pipeline
+
+    calls = []
+
+    def snapshot_download(repo_id: str, *, revision: str | None, allow_patterns: list[str]) -> str:
+        calls.append((repo_id, revision, allow_patterns))
+        return str(tiny_model_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    base = {"run_dir": str(tmp_path / "run"), "tasks": {"train": {"name": "easy"}, "eval": {"name": "easy"}}}
+    config = RunConfig.model_validate({**base, "model": {"path": "Qwen/Qwen2.5-0.5B-Instruct@main"}})
+    pipeline = Pipeline(config)
+    assert pipeline._model_path() == tiny_model_dir  # the folder the engine, trainer and ranks load
+    assert calls == [("Qwen/Qwen2.5-0.5B-Instruct", "main", ["*.json", "*.safetensors", "*.model", "*.txt",
+                                                              "*.tiktoken", "*.jinja"])]  # fmt: skip
+    local = RunConfig.model_validate({**base, "model": {"path": str(tiny_model_dir)}})
+    assert Pipeline(local)._model_path() == tiny_model_dir and len(calls) == 1  # a folder is used as it is

@@ -142,14 +142,13 @@ class Pipeline:
 
     # -- set-up ----------------------------------------------------------------------------
     def _model_dir(self) -> Path:
-        return model_dir(self.config)
+        """The policy's folder: model.path's (a Hub id is fetched into the HF cache once), or the tiny model's."""
+        return fetch_model(self.config.model.path) if self.config.model.path else model_dir(self.config)
 
     def _model_path(self) -> Path:
         cfg = self.config.model
-        if cfg.path:
-            return fetch_model(cfg.path)  # a folder, or a Hub id's snapshot (downloaded once)
         path = self._model_dir()
-        if not (path / "config.json").exists():
+        if not cfg.path and not (path / "config.json").exists():
             from patchgym.models.tiny import init_tiny_model
 
             init_tiny_model(path, seed=self.config.seed, **(cfg.init_tiny or {}))
