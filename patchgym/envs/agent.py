@@ -29,10 +29,12 @@ class AgentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens_per_turn: int = Field(8192, gt=0)
-    max_tokens_per_trajectory: int = Field(65536, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens_per_turn: int = Field(8192, gt=0, description="tokens the policy may generate in one turn")
+    max_tokens_per_trajectory: int = Field(
+        65536, gt=0, description="tokens of a whole episode (prompt, turns, observations); the episode ends there"
+    )
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of rollouts (GRPO needs > 0)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest token set of this mass")
 
 
 def _finalise(trajectory: Trajectory, chat: TokenChat | None) -> Trajectory:

@@ -100,8 +100,11 @@ class EnvConfig(BaseModel):
         10_000, gt=0, description="files the agent may change (entries its tree may add), checked the same way"
     )
     grading_timeout_s: float = Field(3600.0, gt=0, description="seconds grading one episode may take (then reward 0)")
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    instance_template: str = DEFAULT_INSTANCE_TEMPLATE
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="the system message of every episode")
+    instance_template: str = Field(
+        DEFAULT_INSTANCE_TEMPLATE,
+        description="the first user message; {instruction} is the task's issue text, {workdir} the repository",
+    )
 
     def limits(self) -> dict[str, Any]:
         return self.model_dump(exclude={"system_prompt", "instance_template", "action_fence"})

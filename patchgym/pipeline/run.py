@@ -48,49 +48,17 @@ from patchgym.launch.context import run_logs
 from patchgym.launch.lifecycle import close_parts, start_parts, watched
 from patchgym.launch.ranks import follow_torchrun, torchrun_follower
 from patchgym.launch.sync import SyncReport, WeightSync, probe_ids
+from patchgym.pipeline.checks import check_config, model_dir
 from patchgym.pipeline.config import RunConfig, TraceSource
 from patchgym.pipeline.export import export_policy
+from patchgym.pipeline.feedback import RunningScore, ZeroRewardWatch, eval_line, pass_rate, quiet_third_party_bars
+from patchgym.pipeline.model_source import fetch_model
 from patchgym.pipeline.progress import stage_progress
 from patchgym.pipeline.sandboxes import RunLabelledBackend
 from patchgym.pipeline.state import STATE_FILE, RunState
-from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces, trace_files
+from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces
 
 SUBMIT_MESSAGE = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"
-
-
-def check_config(config: RunConfig) -> None:
-    """Every registered name and its options, and every file the config names, checked before
-    anything is written or built: a mistake is a `ConfigError` at once, not after the base evaluation."""
-    check_parts(config)
-    check_files(config)
-
-
-def check_parts(config: RunConfig) -> None:
-    """Every registered name and the options it is given (no file is read)."""
-    reg = registry()
-    model = {"model": config.model.path or "<model-init>"}
-    reg.check("task_set", config.tasks.train.name, config.tasks.train.options)
-    reg.check("task_set", config.tasks.eval.name, config.tasks.eval.options)
-    reg.check("sandbox", config.sandbox.name, config.sandbox.options)
-    reg.check("trainer", config.trainer.name, {**model, **config.trainer.options})
-    reg.check("inference", config.inference.name, {**model, **config.inference.options})
-    if config.cluster is not None:
-        plan_placement(config.cluster, config.trainer.options, config.inference.options)
-
-
-def check_files(config: RunConfig) -> None:
-    """The model folder and the SFT trace files exist."""
-    if config.model.path is not None and not Path(config.model.path).is_dir():
-        raise ConfigError(f"model.path {config.model.path!r} is not a folder (a Hugging Face model)")
-    if config.sft.enabled:
-        for source in config.sft.traces:
-            if source.path is not None:
-                trace_files(source.path)
-
-
-def model_dir(config: RunConfig) -> Path:
-    """The policy's folder: `model.path`, or `RUN_DIR/model-init` where a tiny model is created."""
-    return Path(config.model.path) if config.model.path else Path(config.run_dir) / "model-init"
 
 
 class OraclePolicy:
@@ -175,7 +143,8 @@ class Pipeline:
 
     # -- set-up ----------------------------------------------------------------------------
     def _model_dir(self) -> Path:
-        return model_dir(self.config)
+        """The policy's folder: model.path's (a Hub id is fetched into the HF cache once), or the tiny model's."""
+        return fetch_model(self.config.model.path) if self.config.model.path else model_dir(self.config)
 
     def _model_path(self) -> Path:
         cfg = self.config.model
@@ -311,6 +280,7 @@ class Pipeline:
         tasks = list(self.eval_tasks)[: c.limit]
         agent = self.config.agent.model_copy(update={"temperature": c.temperature})
         gate = asyncio.Semaphore(c.concurrency)
+        score = RunningScore()
         with self._progress() as progress:
             bar = progress.add_task(f"eval ({stage})", total=len(tasks) * c.attempts, unit="episode")
 
@@ -318,7 +288,7 @@ class Pipeline:
                 async with gate:
                     trajectory = await self._episode(task, self.engine, agent)
                 self.log.emit("trajectory", stage=f"eval-{stage}", **describe(trajectory))  # as it ends
-                progress.update(bar, advance=1, reward=trajectory.reward)
+                progress.update(bar, advance=1, **score.add(trajectory))
                 return trajectory
 
             runs = await asyncio.gather(*(attempt(t) for t in tasks for _ in range(c.attempts)))
@@ -337,6 +307,7 @@ class Pipeline:
         }
         self.log.emit("eval", stage=stage, step=self.state.grpo_step, **result)
         self.results[stage] = result
+        self.console.print(eval_line(stage, result), highlight=False)
         return result
 
     def _token_cap(self) -> int:
@@ -456,6 +427,7 @@ class Pipeline:
         if cfg.reset_optimizer and self.state.grpo_step == 0:  # a resumed GRPO keeps its own moments
             await self.trainer.reset_optimizer()
         self._step_end = time.perf_counter()
+        self._zero_watch = ZeroRewardWatch(cfg.zero_reward_warn_steps)
         try:
             with self._progress() as progress:
                 done = self.state.grpo_step
@@ -465,9 +437,18 @@ class Pipeline:
                     if batch is None:
                         break
                     await self._train_on(batch, loss, manager, stream)
-                    progress.update(bar, advance=1, reward=batch.metrics["reward_mean"])
+                    members = [t for g in batch.groups for t in g.members]
+                    progress.update(bar, advance=1, reward=batch.metrics["reward_mean"], pass_rate=pass_rate(members))
+                    self._watch_rewards(batch.metrics["reward_mean"], episode_stats(members))
         finally:
             await manager.aclose()
+
+    def _watch_rewards(self, reward_mean: float, stats: dict[str, Any]) -> None:
+        """The zero-reward warning (`grpo.zero_reward_warn_steps`), once, on the console and in the events."""
+        message = self._zero_watch.observe(reward_mean, stats)
+        if message is not None:
+            self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+            self.log.emit("warning", stage="grpo", step=self.state.grpo_step, message=message)
 
     def _log_groups(self, batch: Batch) -> None:
         """Every trajectory of the step's groups, trained or set aside (with the reason), once."""
@@ -531,6 +512,7 @@ class Pipeline:
         if torchrun_follower():  # a torchrun rank other than 0: it serves rank 0's trainer calls
             follow_torchrun(self._model_dir(), dict(self.config.trainer.options))
             return {}
+        quiet_third_party_bars()
         try:
             await self._setup(resume)
             async with watched([self.engine, self.trainer]):

@@ -253,7 +253,12 @@ def load_harbor_task(folder: Path) -> Task:
 
 
 class HarborTaskSet(LoadedTaskSet):
-    """Harbor task folders under `path` (or `path` itself when it is one task), in name order."""
+    """Harbor task folders under `path` (or `path` itself when it is one task), in name order.
+
+    Args:
+        path: a folder of Harbor tasks (folders with a task.toml), or one such task folder
+        limit: only the first N tasks in name order (null: all)
+    """
 
     def __init__(self, path: str | Path, limit: int | None = None) -> None:
         self.path = Path(path)
