@@ -1,6 +1,7 @@
 """The agent loop: one trajectory of a token-level policy in the SWE environment.
 
-observation → `TokenChat` (append-only tokens) → engine → assistant text → `env.step`, until
+observation → `TokenChat` (append-only tokens; with `env.actions: tool_calls` the tools are in the
+template and observations are `tool` messages) → engine → assistant text → `env.step`, until
 the agent submits, a cap ends the episode, or the infrastructure fails. The caps (settings):
 generated tokens per turn, tokens per trajectory, and the engine's own context cap; the
 environment adds its turn, wall-clock and format-error caps. The trajectory records every
@@ -64,7 +65,9 @@ async def run_agent(
     assert env.trajectory is not None
     if info["infra_error"]:
         return env.trajectory
-    chat = TokenChat.start(tokenizer, info["messages"])
+    tools = info.get("tools")
+    chat = TokenChat.start(tokenizer, info["messages"], tools=tools)
+    role = "tool" if tools else "user"  # with native tool calls, command output is the tool's result
     while True:
         room = min(config.max_tokens_per_trajectory, engine.max_context) - len(chat)
         if room <= 0:
@@ -100,7 +103,7 @@ async def run_agent(
         if generation.finish_reason == "context":
             await env.truncate("max_context")
             break
-        chat.add_observation([{"role": "user", "content": observation}])
+        chat.add_observation([{"role": role, "content": observation}])
     return _finalise(env.trajectory, chat)
 
 

@@ -1,5 +1,9 @@
 """The SWE environment: an agent fixes an issue with bash commands in a sandbox.
 
+The agent acts with one fenced ```bash block per message (`actions: bash_blocks`, the default)
+or one native tool call in its chat template's format (`actions: tool_calls`: bash, file view,
+create, str_replace and submit; see core/tools.py); `info["tools"]` carries the tools' schemas.
+
 `AsyncSWEEnv` is the core (Gymnasium's reset/step shapes, `async`); `SWEEnv` is the
 synchronous `gymnasium.Env` facade registered as "patchgym/SWE-v0". Observations and actions
 are the text of chat messages: `reset` returns the task prompt (the system prompt is in
@@ -23,7 +27,7 @@ from typing import Any, Literal, TypeVar
 import gymnasium as gym
 from gymnasium import spaces
 from gymnasium.utils import seeding
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from patchgym.core.actions import BashBlockParser, submitted_by_output
 from patchgym.core.config import validate
@@ -33,6 +37,7 @@ from patchgym.core.output import head_tail
 from patchgym.core.plugins import registry
 from patchgym.core.sandbox import ExecResult, Sandbox, SandboxBackend
 from patchgym.core.tasks import Task, TaskSet, start_task_sandbox
+from patchgym.core.tools import TOOL_NAMES, ToolCallParser, tool_schemas
 from patchgym.core.trajectory import Trajectory, Turn
 
 T = TypeVar("T")
@@ -53,6 +58,12 @@ tests. When you are done, submit with:
 ```bash
 echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT
 ```"""
+
+DEFAULT_TOOLS_SYSTEM_PROMPT = """\
+You are a software engineer working on a code repository. Fix the issue you are given by \
+calling the tools: one tool call per reply, after a short thought. Each bash command runs in a \
+fresh shell in the repository (cd does not persist). Do not edit the tests. When you are done, \
+call submit."""
 
 DEFAULT_INSTANCE_TEMPLATE = """\
 The repository is at {workdir}. Fix this issue:
@@ -75,6 +86,14 @@ class EnvConfig(BaseModel):
     max_output_bytes: int = Field(1_000_000, gt=0, description="bytes of stdout/stderr captured per command")
     observation_max_chars: int = Field(10_000, gt=0, description="command output shown to the agent (head + tail)")
     action_fence: str = Field("bash", description="language tag of the fenced command block")
+    actions: Literal["bash_blocks", "tool_calls"] = Field(
+        "bash_blocks",
+        description="how the agent acts: one fenced command block per message, or one native tool call in the "
+        "model's chat-template format (needs a template with tools)",
+    )
+    tools: list[str] = Field(
+        list(TOOL_NAMES), description=f"the tools offered with actions: tool_calls (of {', '.join(TOOL_NAMES)})"
+    )
     unsubmitted: Literal["graded", "zero"] = Field(
         "graded",
         description="an episode a cap ended before the agent submitted: its final state graded, or reward 0 ungraded",
@@ -90,11 +109,30 @@ class EnvConfig(BaseModel):
     )
     regrade_attempts: int = Field(1, ge=0, description="fresh sandboxes tried again when one is lost during grading")
     max_diff_bytes: int = Field(50_000_000, gt=0, description="bytes of changed files carried into the grading sandbox")
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    system_prompt: str | None = Field(
+        None, description="the system message (None: the default for the `actions` format)"
+    )
     instance_template: str = DEFAULT_INSTANCE_TEMPLATE
 
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, value: list[str]) -> list[str]:
+        tool_schemas(value)
+        if "submit" not in value:
+            raise ValueError("tools must include submit (otherwise a tool-calling agent cannot end its episode)")
+        return value
+
     def limits(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"system_prompt", "instance_template", "action_fence"})
+        return self.model_dump(exclude={"system_prompt", "instance_template", "action_fence", "tools"})
+
+    def system_message(self) -> str:
+        if self.system_prompt is not None:
+            return self.system_prompt
+        return DEFAULT_TOOLS_SYSTEM_PROMPT if self.actions == "tool_calls" else DEFAULT_SYSTEM_PROMPT
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The schemas of the offered tools with `actions: tool_calls`, else None."""
+        return tool_schemas(self.tools) if self.actions == "tool_calls" else None
 
 
 def _resolve(kind: str, value: Any, options: Mapping[str, Any] | None) -> Any:
@@ -133,7 +171,11 @@ class AsyncSWEEnv:
         self.task_set: TaskSet = _resolve("task_set", task_set, task_set_options)
         self.backend: SandboxBackend = _resolve("sandbox", sandbox, sandbox_options)
         self._owns_backend = isinstance(sandbox, str)
-        self._parser = BashBlockParser(self.config.action_fence)
+        self._parser = (
+            ToolCallParser(self.config.tools)
+            if self.config.actions == "tool_calls"
+            else BashBlockParser(self.config.action_fence)
+        )
         self._task_ids = self.task_set.ids()
         self.np_random, _ = seeding.np_random()
         self.sandbox: Sandbox | None = None
@@ -165,11 +207,12 @@ class AsyncSWEEnv:
         workdir = self.sandbox.workdir if self.sandbox else self.task.sandbox.workdir
         prompt = self.config.instance_template.format(instruction=self.task.instruction, workdir=workdir)
         info = self._info()
-        info["system_prompt"] = self.config.system_prompt
+        info["system_prompt"] = self.config.system_message()
         info["messages"] = [
-            {"role": "system", "content": self.config.system_prompt},
+            {"role": "system", "content": info["system_prompt"]},
             {"role": "user", "content": prompt},
         ]
+        info["tools"] = self.config.tool_schemas()
         return prompt, info
 
     def _pick_task(self, choice: Task | str | None) -> Task:

@@ -18,6 +18,7 @@ before anything is written.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import shutil
@@ -31,7 +32,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from patchgym.core.batch import Sample, TrainBatch
-from patchgym.core.chat import text_generation
+from patchgym.core.chat import assistant_text, text_generation
 from patchgym.core.errors import ConfigError
 from patchgym.core.inference import Generation, SamplingParams
 from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
@@ -39,6 +40,7 @@ from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, re
 from patchgym.core.plugins import registry
 from patchgym.core.rollout import Batch, GroupTally, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
+from patchgym.core.tools import bash_call_text
 from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
@@ -97,8 +99,14 @@ class OraclePolicy:
 
     max_context = 1 << 30
 
-    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
-        self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
+    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int, actions: str = "bash_blocks") -> None:
+        if actions == "tool_calls":  # each command as a bash tool call in the model's own template format
+            render = functools.partial(assistant_text, tokenizer)
+            commands: list[str | None] = [*oracle_turns(task), None]
+            self.messages = [bash_call_text(render, command) for command in commands]
+        else:
+            self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
+        self._submit = self.messages[-1]
         self._tokenizer, self._end = tokenizer, turn_end_id
 
     def longest_turn(self) -> int:
@@ -106,7 +114,7 @@ class OraclePolicy:
         return max(len(text_generation(self._tokenizer, m, self._end).token_ids) for m in self.messages)
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
-        text = self.messages.pop(0) if self.messages else SUBMIT_MESSAGE
+        text = self.messages.pop(0) if self.messages else self._submit
         return text_generation(self._tokenizer, text, self._end)
 
 
@@ -345,7 +353,8 @@ class Pipeline:
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         bar = progress.add_task("sft traces (oracle)", total=len(tasks), unit="trace")
 
-        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end) for task in tasks}
+        actions = self.config.env.actions
+        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end, actions) for task in tasks}
         self._warn_unsayable(policies)
         gate = asyncio.Semaphore(self.config.sft.replay_concurrency)
 
