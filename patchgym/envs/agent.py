@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from patchgym.core.chat import ChatTokenizer, TokenChat
 from patchgym.core.errors import InfraError
@@ -34,6 +34,17 @@ class AgentConfig(BaseModel):
     max_tokens_per_trajectory: int = Field(65536, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    scaffold: str = Field(
+        "builtin",
+        description="who drives the episodes: patchgym's own loop, or an external scaffold calling the recording "
+        "endpoint (`mini-swe-agent`, or module:attr of a class; see docs/agents.md)",
+    )
+    scaffold_options: dict[str, Any] = Field(default_factory=dict, description="the external scaffold's options")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scaffold_by_name(cls, value: Any) -> Any:
+        return {"scaffold": value} if isinstance(value, str) else value  # `agent: mini-swe-agent`
 
 
 def _finalise(trajectory: Trajectory, chat: TokenChat | None) -> Trajectory:
@@ -121,6 +132,7 @@ def describe(trajectory: Trajectory) -> dict[str, Any]:
         "infra_error": trajectory.infra_error,
         "timings": dict(trajectory.timings),
         "policy_versions": sorted({v for v in trajectory.policy_versions if v >= 0}),
+        **({"recording": trajectory.recording} if trajectory.recording is not None else {}),
     }
 
 

@@ -242,18 +242,40 @@ class AsyncSWEEnv:
         if parsed.kind == "submit":
             self.trajectory.turns.append(Turn(action, "", "submit"))
             return await self._finish("", action, "submitted")
+        return await self._command(action, parsed.command, parsed.submit)
+
+    async def execute(self, command: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Run `command` as a turn (an external scaffold's action, already parsed by the scaffold), with the
+        caps and submission rule of `step`; returns what `step` returns."""
+        if self.trajectory is None or self._done:
+            raise RuntimeError("execute() needs a running episode")
+        return await self._command(command, command, False)
+
+    async def submit(self) -> tuple[float, dict[str, Any]]:
+        """End the episode as submitted (an external scaffold's own submission) and grade it."""
+        if self._done:
+            raise RuntimeError("the episode is already over")
+        assert self.trajectory is not None
+        self.trajectory.turns.append(Turn("", "", "submit"))
+        _, reward, _, _, info = await self._finish("", "", "submitted")
+        return reward, info
+
+    async def _command(
+        self, action: str, command: str, submit_after: bool
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        assert self.trajectory is not None
         remaining = self.config.max_wall_s - (time.perf_counter() - self._started)
         if remaining <= 0:
             self.trajectory.turns.append(Turn(action, "", "command"))  # every action taken has its turn
             return await self._finish("", action, "max_wall_time")
         try:
-            result = await self._exec(parsed.command, min(self.config.command_timeout_s, remaining))
+            result = await self._exec(command, min(self.config.command_timeout_s, remaining))
         except InfraError as exc:
             self.trajectory.turns.append(Turn(action, "", "command"))
             self._end("infra_error", infra_error=exc)
             return await self._finish("", action, "infra_error")
         observation = render_command_result(result, self.config.observation_max_chars)
-        submit = parsed.submit or submitted_by_output(result.stdout)
+        submit = submit_after or submitted_by_output(result.stdout)
         self.trajectory.turns.append(
             Turn(
                 action,

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from patchgym.backends.inference.recording_endpoint import RecordingEndpoint
 from patchgym.core.batch import Sample, TrainBatch
 from patchgym.core.chat import assistant_text, text_generation
 from patchgym.core.errors import ConfigError
@@ -44,6 +45,8 @@ from patchgym.core.tools import bash_call_text
 from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
+from patchgym.envs.recording import RecordingLimits
+from patchgym.envs.scaffold import load_scaffold, run_scaffold
 from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
 from patchgym.launch.cluster import plan_placement
 from patchgym.launch.context import run_logs
@@ -75,6 +78,8 @@ def check_parts(config: RunConfig) -> None:
     reg.check("sandbox", config.sandbox.name, config.sandbox.options)
     reg.check("trainer", config.trainer.name, {**model, **config.trainer.options})
     reg.check("inference", config.inference.name, {**model, **config.inference.options})
+    if config.agent.scaffold != "builtin":
+        load_scaffold(config.agent.scaffold, config.agent.scaffold_options)
     if config.cluster is not None:
         plan_placement(config.cluster, config.trainer.options, config.inference.options)
 
@@ -140,6 +145,15 @@ def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
     )
 
 
+def to_samples(trajectory: Trajectory, advantage: float = 0.0) -> list[Sample]:
+    """Its samples, all with `advantage`: its tokens and each earlier segment of a split scaffold episode."""
+    earlier = [
+        Sample(s["token_ids"], s["loss_mask"], advantage, s["engine_logprobs"], group_id=trajectory.task_id)
+        for s in trajectory.segments
+    ]
+    return [*earlier, to_sample(trajectory, advantage)]
+
+
 class TaskStream:
     """An endless, seeded stream of train tasks (a fresh shuffle per epoch) that counts its draws."""
 
@@ -178,6 +192,8 @@ class Pipeline:
         self.trainer: Any = None
         self.backend: Any = None
         self.cluster: Any = None
+        self.endpoint: Any = None  # the recording endpoint, for an external agent scaffold
+        self.scaffold: Any = None
         self.log: EventLog | None = None
 
     # -- set-up ----------------------------------------------------------------------------
@@ -240,6 +256,10 @@ class Pipeline:
                 self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
                 self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
         await start_parts([self.engine, self.trainer])
+        if c.agent.scaffold != "builtin":
+            self.scaffold = load_scaffold(c.agent.scaffold, c.agent.scaffold_options)
+            endpoint = RecordingEndpoint(self.engine, self.tokenizer, RecordingLimits.of(c.agent))
+            self.endpoint = await endpoint.start()
         self.weight_sync = WeightSync(
             self.trainer,
             self.engine,
@@ -259,6 +279,8 @@ class Pipeline:
 
     def _parts(self) -> dict[str, Any]:
         parts = {"inference": self.engine, "trainer": self.trainer, "sandbox": self.backend}
+        if self.endpoint is not None:  # closes before the engine behind it
+            parts = {"endpoint": self.endpoint, **parts}
         return {**parts, "cluster": self.cluster} if self.cluster is not None else parts  # the cluster closes last
 
     async def aclose(self) -> None:
@@ -277,9 +299,26 @@ class Pipeline:
     async def _episode(self, task: Task, engine: Any, agent: AgentConfig) -> Trajectory:
         env = AsyncSWEEnv(self.train_tasks, self.backend, config=self.config.env)
         try:
+            if self.scaffold is not None and engine is self.engine:  # oracle replays stay in patchgym's own loop
+                return await self._scaffold_episode(env, task, agent)
             return await run_agent(env, engine, self.tokenizer, task, agent)
         finally:
             await env.close()
+
+    async def _scaffold_episode(self, env: AsyncSWEEnv, task: Task, agent: AgentConfig) -> Trajectory:
+        key, recorder = self.endpoint.open(RecordingLimits.of(agent))
+        try:
+            return await run_scaffold(
+                env,
+                self.scaffold,
+                recorder,
+                self.endpoint.base_url,
+                key,
+                task,
+                engine_fault=lambda: self.endpoint.close(key),  # the key closes as the scaffold returns
+            )
+        finally:
+            self.endpoint.close(key)
 
     async def _sync_weights(self, version: int) -> SyncReport:
         report = await self.weight_sync(version)
@@ -489,7 +528,7 @@ class Pipeline:
         samples = []
         for group in batch.groups:
             advantages = group_advantages(group.rewards, normalize_std=self.config.grpo.loss.normalize_std)
-            samples += [to_sample(t, a or 0.0) for t, a in zip(group.members, advantages, strict=True)]
+            samples += [s for t, a in zip(group.members, advantages, strict=True) for s in to_samples(t, a or 0.0)]
         started = time.perf_counter()
         metrics = await self.trainer.train_step(TrainBatch(samples, temperature=self.config.agent.temperature), loss)
         actor_s = time.perf_counter() - started
