@@ -25,6 +25,7 @@ log-probs at the rollout temperature. Requests asking otherwise are counted (`sa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -129,9 +130,15 @@ class EpisodeRecorder:
     """The cap that refused a call, if one did."""
     _known: list[tuple[Any, ...]] = field(default_factory=list)
     _tools: Any = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """Answer one chat-completions request body; returns the response body."""
+        """Answer one chat-completions request body; returns the response body. Calls of one episode are
+        answered one at a time (concurrent calls cannot extend one conversation: the later one splits it)."""
+        async with self._lock:
+            return await self._complete(request)
+
+    async def _complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         messages = [dict(m) for m in request["messages"]]
         tools = request.get("tools") or None
         chat = self._chat_for(messages, tools)
