@@ -49,6 +49,10 @@ def check_model_parts(config: RunConfig) -> None:
     model = {"model": config.model.path or "<model-init>"}
     reg.check("trainer", config.trainer.name, {**model, **config.trainer.options})
     reg.check("inference", config.inference.name, {**model, **config.inference.options})
+    if config.agent.scaffold != "builtin":  # an external scaffold's package is imported here
+        from patchgym.envs.scaffold import load_scaffold
+
+        load_scaffold(config.agent.scaffold, config.agent.scaffold_options)
 
 
 def check_files(config: RunConfig) -> None:

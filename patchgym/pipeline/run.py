@@ -18,6 +18,7 @@ before anything is written.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import shutil
@@ -30,8 +31,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from patchgym.backends.inference.recording_endpoint import RecordingEndpoint
 from patchgym.core.batch import Sample, TrainBatch
-from patchgym.core.chat import text_generation
+from patchgym.core.chat import assistant_text, text_generation
 from patchgym.core.errors import ConfigError
 from patchgym.core.inference import Generation, SamplingParams
 from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
@@ -39,9 +41,12 @@ from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, re
 from patchgym.core.plugins import registry
 from patchgym.core.rollout import Batch, GroupTally, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
+from patchgym.core.tools import bash_call_text
 from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
+from patchgym.envs.recording import RecordingLimits
+from patchgym.envs.scaffold import load_scaffold, run_scaffold
 from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
 from patchgym.launch.cluster import plan_placement
 from patchgym.launch.context import run_logs
@@ -66,8 +71,14 @@ class OraclePolicy:
 
     max_context = 1 << 30
 
-    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
-        self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
+    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int, actions: str = "bash_blocks") -> None:
+        if actions == "tool_calls":  # each command as a bash tool call in the model's own template format
+            render = functools.partial(assistant_text, tokenizer)
+            commands: list[str | None] = [*oracle_turns(task), None]
+            self.messages = [bash_call_text(render, command) for command in commands]
+        else:
+            self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
+        self._submit = self.messages[-1]
         self._tokenizer, self._end = tokenizer, turn_end_id
 
     def longest_turn(self) -> int:
@@ -75,7 +86,7 @@ class OraclePolicy:
         return max(len(text_generation(self._tokenizer, m, self._end).token_ids) for m in self.messages)
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
-        text = self.messages.pop(0) if self.messages else SUBMIT_MESSAGE
+        text = self.messages.pop(0) if self.messages else self._submit
         return text_generation(self._tokenizer, text, self._end)
 
 
@@ -99,6 +110,15 @@ def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
         engine_logprobs=trajectory.engine_logprobs,
         group_id=trajectory.task_id,
     )
+
+
+def to_samples(trajectory: Trajectory, advantage: float = 0.0) -> list[Sample]:
+    """Its samples, all with `advantage`: its tokens and each earlier segment of a split scaffold episode."""
+    earlier = [
+        Sample(s["token_ids"], s["loss_mask"], advantage, s["engine_logprobs"], group_id=trajectory.task_id)
+        for s in trajectory.segments
+    ]
+    return [*earlier, to_sample(trajectory, advantage)]
 
 
 class TaskStream:
@@ -139,6 +159,8 @@ class Pipeline:
         self.trainer: Any = None
         self.backend: Any = None
         self.cluster: Any = None
+        self.endpoint: Any = None  # the recording endpoint, for an external agent scaffold
+        self.scaffold: Any = None
         self.log: EventLog | None = None
 
     # -- set-up ----------------------------------------------------------------------------
@@ -202,6 +224,10 @@ class Pipeline:
                 self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
                 self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
         await start_parts([self.engine, self.trainer])
+        if c.agent.scaffold != "builtin":
+            self.scaffold = load_scaffold(c.agent.scaffold, c.agent.scaffold_options)
+            endpoint = RecordingEndpoint(self.engine, self.tokenizer, RecordingLimits.of(c.agent))
+            self.endpoint = await endpoint.start()
         self.weight_sync = WeightSync(
             self.trainer,
             self.engine,
@@ -221,6 +247,8 @@ class Pipeline:
 
     def _parts(self) -> dict[str, Any]:
         parts = {"inference": self.engine, "trainer": self.trainer, "sandbox": self.backend}
+        if self.endpoint is not None:  # closes before the engine behind it
+            parts = {"endpoint": self.endpoint, **parts}
         return {**parts, "cluster": self.cluster} if self.cluster is not None else parts  # the cluster closes last
 
     async def aclose(self) -> None:
@@ -239,9 +267,26 @@ class Pipeline:
     async def _episode(self, task: Task, engine: Any, agent: AgentConfig) -> Trajectory:
         env = AsyncSWEEnv(self.train_tasks, self.backend, config=self.config.env)
         try:
+            if self.scaffold is not None and engine is self.engine:  # oracle replays stay in patchgym's own loop
+                return await self._scaffold_episode(env, task, agent)
             return await run_agent(env, engine, self.tokenizer, task, agent)
         finally:
             await env.close()
+
+    async def _scaffold_episode(self, env: AsyncSWEEnv, task: Task, agent: AgentConfig) -> Trajectory:
+        key, recorder = self.endpoint.open(RecordingLimits.of(agent))
+        try:
+            return await run_scaffold(
+                env,
+                self.scaffold,
+                recorder,
+                self.endpoint.base_url,
+                key,
+                task,
+                engine_fault=lambda: self.endpoint.close(key),  # the key closes as the scaffold returns
+            )
+        finally:
+            self.endpoint.close(key)
 
     async def _sync_weights(self, version: int) -> SyncReport:
         report = await self.weight_sync(version)
@@ -323,7 +368,8 @@ class Pipeline:
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         bar = progress.add_task("sft traces (oracle)", total=len(tasks), unit="trace")
 
-        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end) for task in tasks}
+        actions = self.config.env.actions
+        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end, actions) for task in tasks}
         self._warn_unsayable(policies)
         gate = asyncio.Semaphore(self.config.sft.replay_concurrency)
 
@@ -468,7 +514,7 @@ class Pipeline:
         samples = []
         for group in batch.groups:
             advantages = group_advantages(group.rewards, normalize_std=self.config.grpo.loss.normalize_std)
-            samples += [to_sample(t, a or 0.0) for t, a in zip(group.members, advantages, strict=True)]
+            samples += [s for t, a in zip(group.members, advantages, strict=True) for s in to_samples(t, a or 0.0)]
         started = time.perf_counter()
         metrics = await self.trainer.train_step(TrainBatch(samples, temperature=self.config.agent.temperature), loss)
         actor_s = time.perf_counter() - started

@@ -100,8 +100,6 @@ def bind_device(rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-
-
 class MegatronTrainer:
     """`Trainer` on megatron-core, loaded from and exported to a Hugging Face model directory."""
 

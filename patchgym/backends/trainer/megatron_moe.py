@@ -56,8 +56,6 @@ def router_gemm() -> str:
     return "torch" if moe_utils.te_general_gemm is None else "transformer_engine"
 
 
-
-
 def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
     """Micro-batch tensors ([b, s] each) padded at the end of the sequence to a multiple of `multiple`."""
     extra = -t["input_ids"].shape[1] % multiple
