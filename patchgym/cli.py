@@ -14,19 +14,19 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from patchgym.cli_images import build_images_command
+from patchgym.cli_options import parse_options
 from patchgym.core.actions import SUBMIT_SENTINEL
 from patchgym.core.errors import ConfigError, PatchgymError
 from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import TaskValidation, validate_task
-from patchgym.plugins.swebench_images.command import build_images_command
 from patchgym.plugins.synthetic.command import generate_tasks
 
 app = typer.Typer(help="patchgym: train software-engineering agents with reinforcement learning.", no_args_is_help=True)
@@ -51,17 +51,6 @@ SandboxOptionsOpt = Annotated[
         help="KEY=VALUE setting of the sandbox backend (repeatable; `patchgym plugins --options NAME` lists them)",
     ),
 ]
-
-
-def parse_options(items: list[str] | None) -> dict[str, Any]:
-    """KEY=VALUE pairs; values are read as YAML scalars (8 → int, true → bool, text → str)."""
-    options: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"expected KEY=VALUE, got {item!r}")
-        options[key] = yaml.safe_load(value) if value else ""
-    return options
 
 
 def make_sandbox(name: str, options: list[str] | None) -> SandboxBackend:
