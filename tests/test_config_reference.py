@@ -67,7 +67,7 @@ def test_types_and_defaults_read_as_yaml() -> None:
     assert rows["sandbox"][1] == "{name: 'local'}"
     assert rows["tasks"][1] == "(required)"
     assert rows["sft.traces"][1] == "[{format: 'oracle'}]"
-    assert rows["env.system_prompt"][1].endswith("…")
+    assert rows["env.instance_template"][1].endswith("…")
     assert set(RunConfig.model_fields) <= {key for key in rows}
 
 

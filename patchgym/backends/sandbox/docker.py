@@ -428,6 +428,9 @@ class DockerSandboxBackend(SandboxBackend):
         reap_dead_owners: at start, remove the containers of this owner's processes that have died
         exec_channel: run commands over one long-lived exec channel per sandbox when the image has a Python
         channel_start_timeout_s: seconds the exec channel's server has to say hello before docker exec is used
+        disk_quota_mb: MiB a sandbox's files may take while a command runs; a command that goes over it is
+            killed and its result says why (null: no quota)
+        disk_check_interval_s: seconds between two measurements of a sandbox's disk use while a command runs
     """
 
     name = "docker"

@@ -388,6 +388,11 @@ class LocalSandboxBackend(SandboxBackend):
         root_dir: where workspace copies are made (default: the temp dir)
         io_workers: threads for file copies and transfers
         drain_timeout_s: seconds to collect a command's remaining output after it exits
+        hidden_paths: host paths (beside patchgym's own task data and the task's folder) covered by an empty
+            read-only folder in bwrap sandboxes, e.g. where answers of your own task sets lie
+        disk_quota_mb: MiB a sandbox's files may take while a command runs; a command that goes over it is
+            killed and its result says why (null: no quota)
+        disk_check_interval_s: seconds between two measurements of a sandbox's disk use while a command runs
     """
 
     name = "local"
