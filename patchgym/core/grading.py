@@ -38,6 +38,9 @@ from patchgym.core.verdict.session import recorder_mode, supervised_run
 
 UNITTEST_RUNNER = Path(__file__).with_name("unittest_junit.py")
 """Standalone script that runs a unittest suite and writes JUnit XML (see its docstring)."""
+UNITTEST_RUNNER_SOURCE = UNITTEST_RUNNER.read_bytes()
+"""Its bytes, read once at import: every grading copies these, so a command that rewrites
+patchgym's files (possible on `isolation="none"`) cannot change what later gradings run."""
 
 UNITTEST_COMMAND = "{python} -s -E {runner} --report {report} --start tests --top ."
 """Test command for plain-unittest projects whose tests live in `tests/` (`{python}`: the
@@ -171,9 +174,7 @@ class TestCommandGrader(ShellGrader):
         if mode != "plain":
             return await self._grade_supervised(room, mode, details)
         runner = (
-            await room.write(UNITTEST_RUNNER.name, UNITTEST_RUNNER.read_bytes())
-            if "{runner}" in self.test_command
-            else ""
+            await room.write(UNITTEST_RUNNER.name, UNITTEST_RUNNER_SOURCE) if "{runner}" in self.test_command else ""
         )
         if "{python}" in self.test_command and not room.python:
             raise GradeFailure("no_interpreter", f"python3 is not on the sandbox's PATH ({room.path})")

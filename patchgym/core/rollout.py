@@ -58,7 +58,11 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Mode = "fully_async"
+    mode: Mode = Field(
+        "fully_async",
+        description="sync: a batch starts after the last update; one_step_off: one version behind; fully_async: "
+        "groups keep running, up to max_staleness versions behind",
+    )
     concurrency: int = Field(64, gt=0, description="trajectories running at once")
     group_size: int = Field(8, gt=0, description="attempts per task (GRPO group)")
     batch_groups: int = Field(4, gt=0, description="groups per training step")
@@ -66,7 +70,11 @@ class RolloutConfig(BaseModel):
     oversample_groups: int = Field(0, ge=0, description="extra groups started per batch")
     max_infra_retries: int = Field(2, ge=0, description="retries of a member that hit an infra error")
     min_valid_members: int = Field(2, gt=0, description="a group with fewer valid members is dropped")
-    zero_variance: Literal["keep", "drop", "resample"] = "drop"
+    zero_variance: Literal["keep", "drop", "resample"] = Field(
+        "drop",
+        description="a group whose members all earn the same reward (no GRPO signal): train on it, drop it, or "
+        "drop it and try its task again later",
+    )
     max_discards_per_batch: int = Field(
         256, gt=0, description="unusable groups tolerated while assembling one batch before giving up"
     )

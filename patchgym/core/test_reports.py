@@ -80,8 +80,9 @@ def parse_junit_xml(data: bytes | str) -> dict[str, TestStatus]:
             outcome = _JUNIT_OUTCOMES.get(child.tag)
             if outcome is TestStatus.SKIPPED and child.get("type") in XFAIL_TYPES:
                 outcome = TestStatus.XFAIL
-            elif child.get("type") is None and child.get("message") == PYTEST_XPASS_MESSAGE:
-                outcome = TestStatus.PASSED
+            elif outcome is TestStatus.SKIPPED and child.get("type") is None:
+                # only a <skipped> can be pytest's XPASS: a failure or error with that message stays one
+                outcome = TestStatus.PASSED if child.get("message") == PYTEST_XPASS_MESSAGE else outcome
             if outcome is not None:
                 status = worst(status, outcome)
         record(statuses, test_id, status)

@@ -107,6 +107,13 @@ class SandboxConformance:
         assert result.exit_code == 127
         assert "not found" in result.stderr
 
+    async def test_a_command_killed_by_a_signal_exits_128_plus_the_signal(self, sandbox: Sandbox) -> None:
+        """As a shell reports it: SIGKILL is 137, SIGTERM 143 (not a negative code, not 0)."""
+        killed = await sandbox.exec("echo before; kill -KILL $$; echo after", timeout_s=30)
+        assert (killed.exit_code, killed.stdout, killed.timed_out) == (137, "before\n", False)
+        terminated = await sandbox.exec("kill -TERM $$", timeout_s=30)
+        assert terminated.exit_code == 143
+
     async def test_timeout_kills_the_whole_process_tree(self, sandbox: Sandbox) -> None:
         ticker = "(while true; do echo t >> ticks; sleep 0.05; done) & bash -c 'sleep 300' & wait"
         result = await sandbox.exec(ticker, timeout_s=2)
