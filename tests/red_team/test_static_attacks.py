@@ -7,7 +7,8 @@ history is not at hand); `test_caught` shows the parsed checks flag it. The epis
 the attacks through the real graders on bwrap and Docker: with the tamper check on the reward is
 0 (`tamper_suspected`); with it off, each earned reward 1 without a fix before the verdict
 channel (issue 27's runtime half, tests/red_team/test_verdict.py) and is now held by it too, so
-each layer stops these attacks on its own.
+each layer stops these attacks on its own; except a shadow module that patches the code under
+test for the run, which the verdict cannot tell from a fix.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ ROUND_ONE = "722295a"
 
 HELD_BY_THE_VERDICT = ("canary", "verdict_tampered", "tests_failed", "no_verdict")
 """What the verdict channel makes of an attack the tamper check is not asked about."""
+CHANGES_THE_CODE = {"stdlib-shadow"}
+"""Attacks that change the code under test for the test run (not the verdict): the tests really
+pass, so the verdict channel cannot tell them from a fix."""
 
 FORGE_RUN = "def _run(self, result=None):\n    result.startTest(self); result.addSuccess(self); result.stopTest(self)\n"
 """A TestCase.run that records a success whatever the test does."""
@@ -183,7 +187,10 @@ async def test_config_attack_is_caught_by_the_grader(setting: Any, attack: str) 
     point needs the distribution installed from the repository, which the fixture image is not:
     that attack is checked by `test_caught` only."""
     grade = await play_swe(setting, commands(CONFIG[attack]), tamper_policy="off")
-    assert grade["reward"] == 0.0 and grade["details"]["reason"] in HELD_BY_THE_VERDICT, grade["details"]
+    if attack in CHANGES_THE_CODE:  # the tests really pass: only the static layer can stop it
+        assert (grade["reward"], grade["details"]["reason"]) == (1.0, "resolved"), "the attack no longer works"
+    else:
+        assert grade["reward"] == 0.0 and grade["details"]["reason"] in HELD_BY_THE_VERDICT, grade["details"]
     grade = await play_swe(setting, commands(CONFIG[attack]))
     assert (grade["reward"], grade["details"]["reason"]) == (0.0, "tamper_suspected")
 
