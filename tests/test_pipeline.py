@@ -151,5 +151,14 @@ def test_resume_after_sigkill_loses_and_repeats_nothing(tmp_path: Path) -> None:
     drawn = drawn_task_ids(run)
     assert drawn == Counter(next(stream).id for _ in range(drawn.total()))
     assert [e["event"] for e in read_events(run, "run")] == ["start", "resume", "reaped", "end"]
+    # The engines serve the checkpoint's policy from the first episode on: the resume syncs the loaded
+    # weights as the checkpoint's version before any rollout, and every later sync counts on from there.
+    events = read_events(run)
+    after = events[next(i for i, e in enumerate(events) if e.get("event") == "resume") :]
+    first_sync = next(i for i, e in enumerate(after) if e["kind"] == "weight_sync")
+    assert after[first_sync]["version"] == state["version"]
+    assert not any(e["kind"] == "trajectory" for e in after[:first_sync])
+    versions = [e["version"] for e in after if e["kind"] == "weight_sync"]
+    assert versions == list(range(state["version"], state["version"] + len(versions)))
     assert "base" in resumed.stdout and "grpo" in resumed.stdout  # the table covers every stage
     assert json.loads((run / "state.json").read_text())["grpo_step"] == 4
