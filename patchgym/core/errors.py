@@ -49,10 +49,24 @@ class SandboxStartError(InfraError):
 
 
 class SandboxLostError(InfraError):
-    """A running sandbox disappeared or stopped answering."""
+    """A running sandbox disappeared or stopped answering.
+
+    `from_inside` is set by a backend that can tell that the sandbox ended by its own processes'
+    doing (a container that exited or was OOM-killed while nothing on the host stopped it): the
+    agent may have caused that, so the episode is scored 0 (`sandbox_killed_by_agent`), never
+    retried. Without it the loss is the infrastructure's and the episode may be retried.
+    """
 
     kind = "sandbox_lost"
     retryable = True
+
+    def __init__(self, message: str, *, retryable: bool | None = None, from_inside: bool = False) -> None:
+        super().__init__(message, retryable=retryable)
+        self.from_inside = from_inside
+
+
+AGENT_KILLED_SANDBOX = "sandbox_killed_by_agent"
+"""The reason of the zero an episode gets when its sandbox ended from inside (`SandboxLostError.from_inside`)."""
 
 
 class TransportError(InfraError):

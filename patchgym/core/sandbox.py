@@ -134,6 +134,12 @@ class Sandbox(abc.ABC):
     async def write_file(self, path: str, data: bytes | str) -> None:
         """Create or replace a file, creating parent directories."""
 
+    async def write_files(self, files: Mapping[str, bytes]) -> None:
+        """Write many files (path to bytes) as `write_file` would; backends with a costly round trip
+        per file (Docker) write them in one."""
+        for path, data in files.items():
+            await self.write_file(path, data)
+
     @abc.abstractmethod
     async def upload_dir(self, local_dir: Path, path: str) -> None:
         """Copy a local directory's contents into the sandbox at `path`."""

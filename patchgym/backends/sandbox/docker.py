@@ -32,7 +32,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +40,12 @@ from typing import Any, TypeVar
 
 import docker
 import docker.errors
+import docker.types
 import requests.exceptions
 from docker.models.containers import Container
 from docker.utils.socket import frames_iter
 
+from patchgym.backends.sandbox.disk_quota import DiskQuota
 from patchgym.backends.sandbox.exec_channel import ExecChannel
 from patchgym.backends.sandbox.process_group import group_argv, kill_group_command
 from patchgym.core.errors import (
@@ -120,13 +122,17 @@ def _tar_dir(local_dir: Path, target: str) -> tempfile.SpooledTemporaryFile[byte
     return archive
 
 
-def _tar_file(path: str, data: bytes) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        info = tarfile.TarInfo(path.lstrip("/"))
-        info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
-        tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+def _tar_files(files: Mapping[str, bytes]) -> tempfile.SpooledTemporaryFile[bytes]:
+    """A tar of regular files only (absolute paths to bytes): extracted at "/", it creates their
+    missing parents and leaves existing directories' owner and mode alone."""
+    archive = tempfile.SpooledTemporaryFile(max_size=32 << 20)  # noqa: SIM115 - the caller closes it
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        for path, data in files.items():
+            info = tarfile.TarInfo(path.lstrip("/"))
+            info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    archive.seek(0)
+    return archive
 
 
 def _put_archive(container: Container, target: str, payload: Any) -> None:
@@ -210,6 +216,29 @@ class DockerSandbox(Sandbox):
         if self.channel is None:
             backend.exec_paths["exec"] += 1
 
+    async def _attributed(self, operation: Awaitable[T]) -> T:
+        """`operation`, a lost container told apart: one that exited by itself (its processes
+        stopped it, or the kernel OOM-killed them) while this sandbox was open is lost from inside."""
+        try:
+            return await operation
+        except SandboxLostError as exc:
+            if exc.from_inside or self._closed:
+                raise
+            try:
+                state = (await self._backend.run_sync(self._backend.client.api.inspect_container, self.container.id))[
+                    "State"
+                ]
+            except (InfraError, *_DOCKER_FAULTS):
+                raise exc from None  # gone (removed on the host) or the engine is unreachable: not the agent
+            if state.get("Running"):
+                raise
+            why = f"exit code {state.get('ExitCode')}" + (", OOM-killed" if state.get("OOMKilled") else "")
+            raise SandboxLostError(
+                f"{exc}; the container exited by itself ({why}): its own processes ended it",
+                retryable=False,
+                from_inside=True,
+            ) from exc
+
     async def exec(
         self,
         cmd: str,
@@ -218,6 +247,17 @@ class DockerSandbox(Sandbox):
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> ExecResult:
+        command = self._exec(cmd, timeout_s, cwd, env, max_output_bytes)
+        if self._backend.storage_opt_quota:  # the engine enforces the quota
+            return await self._attributed(command)
+        return await self._attributed(self._backend.quota.run(command, self._disk_used))
+
+    async def _disk_used(self) -> int:
+        return await self._backend.run_sync(self._backend.disk_used, self.container.id)
+
+    async def _exec(
+        self, cmd: str, timeout_s: float, cwd: str | None, env: Mapping[str, str] | None, max_output_bytes: int
     ) -> ExecResult:
         self._check_open()
         workdir = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
@@ -286,6 +326,9 @@ class DockerSandbox(Sandbox):
             raise _translate(exc, "exec failed") from exc
 
     async def read_file(self, path: str) -> bytes:
+        return await self._attributed(self._read_file(path))
+
+    async def _read_file(self, path: str) -> bytes:
         self._check_open()
         target = self._path(path)
         for _ in range(8):  # follow symbolic links, each hop confined like the path itself
@@ -317,8 +360,13 @@ class DockerSandbox(Sandbox):
 
     async def write_file(self, path: str, data: bytes | str) -> None:
         self._check_open()
-        payload = _tar_file(self._path(path), data.encode() if isinstance(data, str) else data)
-        await self._backend.run_sync(_put_archive, self.container, "/", payload)
+        await self.write_files({path: data.encode() if isinstance(data, str) else data})
+
+    async def write_files(self, files: Mapping[str, bytes]) -> None:
+        self._check_open()
+        archive = await self._backend.run_sync(_tar_files, {self._path(path): data for path, data in files.items()})
+        with archive:
+            await self._attributed(self._backend.run_sync(_put_archive, self.container, "/", archive))
 
     async def upload_dir(self, local_dir: Path, path: str) -> None:
         self._check_open()
@@ -328,7 +376,7 @@ class DockerSandbox(Sandbox):
 
     async def download_dir(self, path: str, local_dir: Path) -> None:
         self._check_open()
-        await self._backend.run_sync(self._extract_to, self._path(path), Path(local_dir))
+        await self._attributed(self._backend.run_sync(self._extract_to, self._path(path), Path(local_dir)))
 
     def _extract_to(self, target: str, local_dir: Path) -> None:
         try:
@@ -365,6 +413,24 @@ class DockerSandboxBackend(SandboxBackend):
     `exec_channel` runs commands over a per-sandbox exec channel when the image has a Python
     (its server must say hello within `channel_start_timeout_s`); `settings()["exec_paths"]`
     counts the sandboxes on each path.
+
+    Args:
+        concurrency: Docker API calls at once: the thread pool and the HTTP connection pool
+        pool_size: started containers kept ready per image, resource shape and workspace (0: no warm pool)
+        pool_refill_concurrency: container creations at once while the warm pool refills
+        default_image: the image of a task that names none (patchgym sandbox build-base builds the default offline)
+        network: an existing Docker network that specs allowing network join (null: such specs are refused network)
+        base_url: the Docker engine's address (null: DOCKER_HOST or the local socket)
+        api_timeout_s: seconds one Docker API call may take
+        kill_grace_s: seconds between SIGTERM and SIGKILL when a command's time is up
+        owner: the owner label of this backend's containers (default: user@host); reaping looks at it
+        run_id: the run label of this backend's containers (default: a random id)
+        reap_dead_owners: at start, remove the containers of this owner's processes that have died
+        exec_channel: run commands over one long-lived exec channel per sandbox when the image has a Python
+        channel_start_timeout_s: seconds the exec channel's server has to say hello before docker exec is used
+        disk_quota_mb: MiB a sandbox's files may take while a command runs; a command that goes over it is
+            killed and its result says why (null: no quota)
+        disk_check_interval_s: seconds between two measurements of a sandbox's disk use while a command runs
     """
 
     name = "docker"
@@ -385,6 +451,8 @@ class DockerSandboxBackend(SandboxBackend):
         reap_dead_owners: bool = True,
         exec_channel: bool = True,
         channel_start_timeout_s: float = 60.0,
+        disk_quota_mb: int | None = 10_240,
+        disk_check_interval_s: float = 1.0,
     ) -> None:
         if concurrency < 1 or pool_size < 0 or pool_refill_concurrency < 1:
             raise ConfigError("docker backend: concurrency and pool_refill_concurrency must be >= 1, pool_size >= 0")
@@ -400,6 +468,9 @@ class DockerSandboxBackend(SandboxBackend):
         self.exec_channel = exec_channel
         self.channel_start_timeout_s = channel_start_timeout_s
         self.exec_paths: Counter[str] = Counter()
+        self.quota = DiskQuota(disk_quota_mb * 2**20 if disk_quota_mb else None, disk_check_interval_s)
+        self.storage_opt_quota: bool | None = None
+        """Whether the engine enforces the quota itself (`--storage-opt size`); None until a container says."""
         try:
             kwargs: dict[str, Any] = {"max_pool_size": concurrency + pool_refill_concurrency, "timeout": api_timeout_s}
             self.client = docker.DockerClient(base_url=base_url, **kwargs) if base_url else docker.from_env(**kwargs)
@@ -427,6 +498,9 @@ class DockerSandboxBackend(SandboxBackend):
             "default_image": self.default_image,
             "network": self.network,
             "kill_grace_s": self.kill_grace_s,
+            "disk_quota_bytes": self.quota.quota_bytes,
+            "disk_check_interval_s": self.quota.interval_s,
+            "disk_quota_by": self._quota_by(),
             "owner": self.owner,
             "run_id": self.run_id,
             "enforces_resource_limits": True,
@@ -438,6 +512,29 @@ class DockerSandboxBackend(SandboxBackend):
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking SDK call on the backend's thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _quota_by(self) -> str:
+        if self.quota.quota_bytes is None:
+            return "none"
+        return {True: "storage-opt", False: "watch"}.get(self.storage_opt_quota, "storage-opt or watch")  # type: ignore[arg-type]
+
+    def _quota_options(self) -> dict[str, Any]:
+        """Container options of the disk quota: the engine's own (`storage_opt`, overlay on XFS
+        with pquota) where it has one, else a file size limit (the watch does the rest)."""
+        quota = self.quota.quota_bytes
+        if quota is None:
+            return {}
+        if self.storage_opt_quota is not False:
+            return {"storage_opt": {"size": f"{quota // 2**20}m"}}
+        return {"ulimits": [docker.types.Ulimit(name="fsize", soft=quota, hard=quota)]}
+
+    def disk_used(self, container_id: str) -> int:
+        """Bytes in a container's writable layer, as the engine counts them (apparent sizes)."""
+        try:
+            found = self.client.api.containers(all=True, size=True, filters={"id": container_id})
+        except _DOCKER_FAULTS as exc:
+            raise _translate(exc, "measuring disk use failed") from exc
+        return int(found[0].get("SizeRw") or 0) if found else 0
 
     def channel_for(self, container: Container) -> ExecChannel:
         """A new exec channel into `container` (one per sandbox: nothing is shared)."""
@@ -578,17 +675,7 @@ class DockerSandboxBackend(SandboxBackend):
         # its home is in /tmp, which it can write (an image's nobody has none)
         environment = {"HOME": "/tmp", **dict(shape.env)} if shape.user else dict(shape.env)
         try:  # create + start, not run: run would try to pull a missing image from a registry
-            container = self.client.containers.create(
-                shape.image,
-                ["sleep", "infinity"],
-                init=True,
-                labels=dict(labels),
-                working_dir=shape.workdir,
-                environment=environment,
-                user=shape.user or "",
-                **network,
-                **limits,
-            )
+            container = self._create(shape, labels, environment, {**network, **limits})
         except docker.errors.ImageNotFound as exc:
             raise BuildError(missing_image_hint(shape.image)) from exc
         except _DOCKER_FAULTS as exc:
@@ -598,6 +685,33 @@ class DockerSandboxBackend(SandboxBackend):
         except _DOCKER_FAULTS as exc:
             self._remove_sync(container)
             raise SandboxStartError(f"cannot start a container from {shape.image!r}: {exc}") from exc
+        return container
+
+    def _create(
+        self, shape: _Shape, labels: Mapping[str, str], environment: dict[str, str], options: dict[str, Any]
+    ) -> Container:
+        def create() -> Container:
+            return self.client.containers.create(
+                shape.image,
+                ["sleep", "infinity"],
+                init=True,
+                labels=dict(labels),
+                working_dir=shape.workdir,
+                environment=environment,
+                user=shape.user or "",
+                **options,
+                **self._quota_options(),
+            )
+
+        try:
+            container = create()
+        except docker.errors.APIError as exc:
+            if "storage-opt" not in str(exc.explanation or exc) or self.storage_opt_quota:
+                raise
+            self.storage_opt_quota = False  # this storage driver has no quota: watch instead
+            return create()
+        if self.quota.quota_bytes is not None and self.storage_opt_quota is None:
+            self.storage_opt_quota = True
         return container
 
     def _provision(self, shape: _Shape, labels: Mapping[str, str]) -> Container:

@@ -11,7 +11,9 @@ exec stream whose stdin carries requests and whose stdout carries results (both 
   (`kill -9 -1`, killing its pid): the commands in flight fail as the agent's doing (exit
   137 with a note on stderr) and the next command starts a new server.
 - A stream that breaks while the server still runs, or a container that is gone, is an
-  infrastructure fault (`TransportError`, `SandboxLostError`).
+  infrastructure fault (`TransportError`, `SandboxLostError`). A container that stopped by
+  itself while a command ran is lost from inside (`SandboxLostError.from_inside`): the agent's
+  doing, scored 0 and never retried.
 Each sandbox has its own channel, never shared: a fresh sandbox starts a fresh server.
 """
 
@@ -36,7 +38,8 @@ from patchgym.core.sandbox import ExecResult
 
 HEADER = struct.Struct(">IBI")
 _DOCKER_HEADER = struct.Struct(">BxxxI")
-_SERVER_SOURCE = Path(__file__).with_name("exec_server.py")
+_SERVER_SOURCE = Path(__file__).with_name("exec_server.py").read_text()
+"""Read once at import: a later rewrite of the file does not reach the sandboxes."""
 _LAUNCH = 'for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; exit 127'
 SERVER_KILLED_NOTE = (
     "patchgym: the sandbox's exec server was killed while this command ran (a command in the sandbox "
@@ -50,7 +53,7 @@ Call = Callable[..., Awaitable[Any]]
 
 def launch_argv() -> list[str]:
     """The exec that starts the server with the image's python3 (or python); exit 127 if none."""
-    return ["sh", "-c", _LAUNCH, _SERVER_SOURCE.read_text()]
+    return ["sh", "-c", _LAUNCH, _SERVER_SOURCE]
 
 
 class _Server:
@@ -294,7 +297,12 @@ class ExecChannel:
             return TransportError("the exec channel ended before its server started")
         state = (await self._call(self._api.inspect_container, self._container_id))["State"]
         if not state.get("Running"):
-            return SandboxLostError(f"the container stopped ({state.get('Status')}) while a command ran")
+            why = f"exit code {state.get('ExitCode')}" + (", OOM-killed" if state.get("OOMKilled") else "")
+            return SandboxLostError(
+                f"the container stopped by itself ({why}) while a command ran: its own processes ended it",
+                retryable=False,
+                from_inside=True,
+            )
         run = await self._call(self._api.exec_inspect, server.exec_id)
         if not run["Running"] and (run["ExitCode"] or 0) >= 128:  # killed by a signal from inside
             self.restarts += 1

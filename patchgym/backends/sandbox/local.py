@@ -13,13 +13,18 @@ Isolation (setting `isolation`):
   with the thread that started them (the kernel's parent-death signal), so that not even a
   SIGKILLed driver leaves one running: bwrap runs as PID 1 of a PID namespace of its own
   (util-linux `unshare`), so that whatever ends bwrap ends everything under it
-  (`_PID_NAMESPACE_INIT` says why).
-- `none`: commands run directly on the host as the current user. This is NOT a security
-  boundary: a command can read and write anything the user can and can leave processes
-  behind (also when the driver is SIGKILLed). Use it only for trusted code, or inside a
+  (`_PID_NAMESPACE_INIT` says why). Task data under a bound directory (an installed patchgym
+  package with the `tiny` tasks' gold patches, the task's own folder, `hidden_paths`) is covered
+  by an empty read-only tmpfs (`hidden`), for wheel and editable installs alike.
+- `none`: commands run directly on the host as the current user, each under a subreaper
+  (`reaper`) that kills every descendant when the command ends, setsid and double forks
+  included. This is NOT a security boundary: a command can read and write anything the user
+  can, and one that kills its subreaper can leave processes behind. Use it only for trusted code, or inside a
   container you treat as the boundary.
-- `auto` (default): `bwrap` if bubblewrap is installed and works here, else `none`.
-CPU, memory and PID limits in the spec are not enforced by this backend.
+- `auto` (default): `bwrap`. Where bubblewrap cannot run, the backend refuses to start with an
+  error naming the fix; it never falls back to `none` on its own: `none` must be written.
+CPU, memory and PID limits in the spec are not enforced by this backend. A disk quota per sandbox
+(`disk_quota_mb`) is: a command that takes the sandbox's folder over it is killed (`disk_quota`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from patchgym.backends.sandbox.disk_quota import DiskQuota, disk_usage
+from patchgym.backends.sandbox.hidden import hidden_host_paths, mask_args
 from patchgym.core.errors import ConfigError, SandboxLostError, SandboxStartError
 from patchgym.core.output import CappedBuffer
 from patchgym.core.sandbox import (
@@ -58,6 +65,8 @@ from patchgym.process_groups import PARENT_CHECK, killed_with_parent
 Isolation = Literal["auto", "none", "bwrap"]
 T = TypeVar("T")
 
+REAPER_SOURCE = Path(__file__).with_name("reaper.py").read_text()
+"""The `none` subreaper's source, read once at import (a command rewriting the file changes nothing)."""
 _ROOT_PREFIX = "patchgym-"
 _LABELS_FILE = "labels.json"
 _HIDDEN_FROM_BWRAP = {"proc", "dev", "sys", "tmp", "run", "var"}
@@ -90,6 +99,11 @@ def _bwrap_argv(options: list[str], command: list[str]) -> list[str]:
     user = ["--unshare-user", "--uid", str(os.getuid()), "--gid", str(os.getgid())]  # unshare made bwrap root
     bwrap = ["bwrap", "--die-with-parent", *user, "--unshare-pid", *options, "--", *command]
     return ["sh", "-c", _PID_NAMESPACE_INIT, PARENT_CHECK, *bwrap]
+
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""Where a sandbox's commands find programs after this interpreter's own directory: the system's
+directories, never the caller's `PATH` (a sandbox's environment does not depend on who started the run)."""
 
 
 def _bwrap_problem() -> str | None:
@@ -196,7 +210,7 @@ class LocalSandbox(Sandbox):
         """Process groups of the commands running now."""
         self.workdir = spec.workdir if bwrap else str(root / "work")
         self._tmp_view = "/tmp" if bwrap else str(root / "tmp")
-        path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), SYSTEM_PATH])
         self._env = {
             "HOME": f"{self._tmp_view}/home",
             "TMPDIR": self._tmp_view,
@@ -219,8 +233,8 @@ class LocalSandbox(Sandbox):
 
     def _argv(self, cmd: str, cwd: str) -> list[str]:
         shell = ["bash", "-c", cmd]
-        if not self._bwrap:
-            return shell
+        if not self._bwrap:  # a subreaper that kills whatever the command leaves behind
+            return [sys.executable, "-I", "-S", "-c", REAPER_SOURCE, str(os.getpid()), *shell]
         args = ["--unshare-ipc", "--unshare-uts"]
         if not self._spec.network:
             args.append("--unshare-net")
@@ -229,6 +243,7 @@ class LocalSandbox(Sandbox):
         args += ["--bind", str(self._root / "work"), self._spec.workdir, "--bind", str(self._root / "tmp"), "/tmp"]
         if Path(sys.prefix).parts[1] in _HIDDEN_FROM_BWRAP:  # keep this interpreter visible (a venv in /tmp)
             args += ["--ro-bind", sys.prefix, sys.prefix]
+        args += self._backend.mask_args(self._spec)
         return killed_with_parent(_bwrap_argv([*args, "--chdir", cwd], shell))
 
     async def _start(
@@ -268,6 +283,12 @@ class LocalSandbox(Sandbox):
         env: Mapping[str, str] | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> ExecResult:
+        command = self._exec(cmd, timeout_s, cwd, env, max_output_bytes)
+        return await self._backend.quota.run(command, partial(self._backend.run_io, disk_usage, self._root))
+
+    async def _exec(
+        self, cmd: str, timeout_s: float, cwd: str | None, env: Mapping[str, str] | None, max_output_bytes: int
+    ) -> ExecResult:
         self._check_open()
         view_cwd = posixpath.normpath(posixpath.join(self.workdir, cwd or "."))
         host_cwd = self._host_path(view_cwd)
@@ -285,6 +306,10 @@ class LocalSandbox(Sandbox):
                 timed_out = not done
         finally:
             self._running.discard(group)
+            if not self._bwrap and not capture.exited.done():  # the reaper sweeps, then exits
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(group, signal.SIGTERM)
+                await asyncio.wait([capture.exited], timeout=self._backend.drain_timeout_s)
             _kill_group(group)  # also removes background processes the command left behind
             await asyncio.wait([capture.exited, capture.drained], timeout=self._backend.drain_timeout_s)
             transport.close()
@@ -316,6 +341,17 @@ class LocalSandbox(Sandbox):
 
         await self._backend.run_io(write)
 
+    async def write_files(self, files: Mapping[str, bytes]) -> None:
+        self._check_open()
+        targets = {self._host_path(path): data for path, data in files.items()}
+
+        def write() -> None:
+            for target, data in targets.items():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+
+        await self._backend.run_io(write)
+
     async def upload_dir(self, local_dir: Path, path: str) -> None:
         self._check_open()
         copy = partial(shutil.copytree, local_dir, self._host_path(path), symlinks=True, dirs_exist_ok=True)
@@ -330,7 +366,11 @@ class LocalSandbox(Sandbox):
         """Take no more commands and kill those running (their `exec` raises `SandboxLostError`)."""
         self._closed = True
         for group in self._running:
-            _kill_group(group)
+            if self._bwrap:
+                _kill_group(group)
+            else:  # the reaper sweeps its descendants and exits; `exec` kills what is left
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(group, signal.SIGTERM)
 
     async def close(self) -> None:
         if self._closed:
@@ -340,7 +380,20 @@ class LocalSandbox(Sandbox):
 
 
 class LocalSandboxBackend(SandboxBackend):
-    """Sandboxes as workspace copies in temp directories; see the module docstring."""
+    """Sandboxes as workspace copies in temp directories; see the module docstring.
+
+    Args:
+        isolation: bwrap: bubblewrap (refused where it cannot run); none: commands run on the host as you, no
+            isolation (write it explicitly); auto: bwrap, and a clear error where bubblewrap is missing
+        root_dir: where workspace copies are made (default: the temp dir)
+        io_workers: threads for file copies and transfers
+        drain_timeout_s: seconds to collect a command's remaining output after it exits
+        hidden_paths: host paths (beside patchgym's own task data and the task's folder) covered by an empty
+            read-only folder in bwrap sandboxes, e.g. where answers of your own task sets lie
+        disk_quota_mb: MiB a sandbox's files may take while a command runs; a command that goes over it is
+            killed and its result says why (null: no quota)
+        disk_check_interval_s: seconds between two measurements of a sandbox's disk use while a command runs
+    """
 
     name = "local"
 
@@ -351,22 +404,29 @@ class LocalSandboxBackend(SandboxBackend):
         root_dir: str | Path | None = None,
         io_workers: int = 8,
         drain_timeout_s: float = 2.0,
+        hidden_paths: list[str] | tuple[str, ...] = (),
+        disk_quota_mb: int | None = 10_240,
+        disk_check_interval_s: float = 1.0,
     ) -> None:
         if isolation not in ("auto", "none", "bwrap"):
             raise ConfigError(f"local sandbox isolation must be 'auto', 'none' or 'bwrap', got {isolation!r}")
         problem = _bwrap_problem() if isolation != "none" else None
-        if isolation == "bwrap" and problem:
+        if problem:
             raise ConfigError(
-                f"isolation='bwrap' needs bubblewrap and util-linux's unshare and setpriv working here ({problem}): "
-                "install them (apt-get install bubblewrap util-linux) and allow unprivileged user namespaces, "
-                "or use isolation='none'"
+                f"the local sandbox isolates commands with bubblewrap, which cannot run here ({problem}): install "
+                "bubblewrap and util-linux (apt-get install bubblewrap util-linux) and allow unprivileged user "
+                "namespaces, or, for trusted code only, run commands unisolated on this host by writing "
+                "isolation: none (sandbox: {name: local, options: {isolation: none}}; --sandbox-option isolation=none)"
             )
-        self.isolation = isolation if isolation != "auto" else ("none" if problem else "bwrap")
+        self.isolation = "bwrap" if isolation == "auto" else isolation
         self.root_dir = Path(root_dir) if root_dir else Path(tempfile.gettempdir())
         self.io_workers = io_workers
         self.drain_timeout_s = drain_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="patchgym-local-io")
+        self.hidden_paths = [str(p) for p in hidden_paths]
+        self.quota = DiskQuota(disk_quota_mb * 2**20 if disk_quota_mb else None, disk_check_interval_s)
         self._root_binds: dict[str, list[str]] = {}
+        self._masks: dict[str, list[str]] = {}
         self._sandboxes: weakref.WeakSet[LocalSandbox] = weakref.WeakSet()
 
     def settings(self) -> dict[str, Any]:
@@ -375,8 +435,21 @@ class LocalSandboxBackend(SandboxBackend):
             "root_dir": str(self.root_dir),
             "io_workers": self.io_workers,
             "drain_timeout_s": self.drain_timeout_s,
+            "hidden_paths": self.hidden_paths,
+            "disk_quota_bytes": self.quota.quota_bytes,
+            "disk_check_interval_s": self.quota.interval_s,
+            "disk_quota_by": "watch" if self.quota.quota_bytes else "none",
             "enforces_resource_limits": False,
         }
+
+    def mask_args(self, spec: SandboxSpec) -> list[str]:
+        """bwrap arguments hiding task data and patchgym's own files from a sandbox (see `hidden`)."""
+        key = str(spec.workspace)
+        if key not in self._masks:
+            bound = [f"/{name}" for name in BWRAP_HOST_DIRS] + _interpreter_dirs() + [sys.prefix]
+            hidden = hidden_host_paths(spec.workspace, self.hidden_paths)
+            self._masks[key] = mask_args(hidden, bound, keep=_interpreter_dirs())
+        return self._masks[key]
 
     def root_binds(self, workdir: str) -> list[str]:
         if workdir not in self._root_binds:

@@ -1,7 +1,8 @@
 """Run megatron-core on a machine without a GPU (tests, dry runs on a laptop).
 
 megatron-core 0.16 hard-codes CUDA in a few places: its RNG tracker, the RoPE frequencies
-(`.to(torch.cuda.current_device())`), the default causal mask (`device="cuda"`), buffers in the
+(`.to(torch.cuda.current_device())`), the default causal mask (`device="cuda"`), the device RNG state
+activation recompute saves and restores, buffers in the
 distributed optimizer and gradient clipping (`device='cuda'`, `param.type() ==
 'torch.cuda.FloatTensor'`), the pipeline schedule's receive buffers and syncs
 (`torch.cuda.current_device()`, `torch.cuda.synchronize()`), and three in mixture-of-experts
@@ -106,6 +107,10 @@ def install() -> None:
     ):
         tracker.add(name, 2718 + offset)
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    # activation recompute saves and restores the device RNG around each recomputed part: the CPU has
+    # none besides torch's own, which megatron saves separately
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     tutils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask

@@ -6,7 +6,7 @@ import shlex
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 
-from patchgym.core.grading import UNITTEST_RUNNER
+from patchgym.core.grading import UNITTEST_RUNNER, UNITTEST_RUNNER_SOURCE
 from patchgym.core.sandbox import Sandbox
 from patchgym.core.tasks import TestStatus
 from patchgym.core.test_reports import ReportError, junit_test_id, parse_junit_xml
@@ -42,7 +42,7 @@ async def run_suite(sandbox: Sandbox, test_command: str, *, timeout_s: float) ->
     directory = made.stdout.strip()
     runner, report = f"{directory}/{UNITTEST_RUNNER.name}", f"{directory}/report.xml"
     if "{runner}" in test_command:
-        await sandbox.write_file(runner, UNITTEST_RUNNER.read_bytes())
+        await sandbox.write_file(runner, UNITTEST_RUNNER_SOURCE)
     command = test_command.format(runner=shlex.quote(runner), report=shlex.quote(report))
     result = await sandbox.exec(command, timeout_s=timeout_s)
     tail = result.output[-2000:]

@@ -1,0 +1,198 @@
+"""Red team: attacks on the sandbox itself (issue 27, kinds 5, 6 and 8), on bwrap and Docker.
+
+Kind 5, leak: a sandbox of a `tiny` task looks for the task's gold patch (find over the whole
+file system, patchgym's import path, site-packages), for an editable install and for a real
+wheel installed into a fresh venv. On main the wheel's copy was readable from bwrap sandboxes
+(the venv is bound read-only); the installed package and the task folder are masked now
+(`patchgym.backends.sandbox.hidden`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from patchgym.backends.sandbox.hidden import hidden_host_paths, mask_args
+from patchgym.core.errors import AGENT_KILLED_SANDBOX
+from patchgym.core.validation import apply_patch_command
+from patchgym.envs.swe import AsyncSWEEnv
+from patchgym.plugins.folder import tiny_task_set
+from tests.conftest import require_docker
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).with_name("leak_probe.py")
+
+
+def require_bwrap() -> None:
+    import shutil
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+
+
+def probe(python: str, kind: str, tmp_path: Path, cwd: Path) -> dict:
+    done = subprocess.run(
+        [python, str(PROBE), kind, str(tmp_path)], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def wheel_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The python of a fresh venv holding a wheel built from this checkout (its dependencies come
+    from this venv through a .pth line, so nothing is downloaded)."""
+    folder = tmp_path_factory.mktemp("wheel")
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(ROOT), "-w"]
+    subprocess.run([*build, str(folder / "dist")], check=True, capture_output=True, cwd=folder, timeout=600)
+    (wheel,) = (folder / "dist").glob("patchgym-*.whl")
+    venv = folder / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)  # type: ignore[attr-defined]
+    python = str(venv / "bin" / "python")
+    install = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, timeout=600)
+    site_dir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
+    ).stdout.strip()
+    ours = next(p for p in sys.path if p.endswith("site-packages"))
+    Path(site_dir, "zz_patchgym_test_deps.pth").write_text(ours + "\n")
+    return python
+
+
+def test_a_wheel_installs_gold_patches_that_no_bwrap_sandbox_can_read(wheel_python: str, tmp_path: Path) -> None:
+    require_bwrap()
+    found = probe(wheel_python, "bwrap", tmp_path, cwd=tmp_path)
+    assert "site-packages" in found["package"] and "/tmp" in found["package"] or str(tmp_path) not in found["package"]
+    assert Path(found["package"]).parent.joinpath("plugins/tiny/tasks/roman-subtractive/gold.patch").is_file()
+    assert not any(r["found"] for r in found["results"].values()), found
+
+
+def test_an_editable_install_leaves_no_gold_patch_readable_from_bwrap(tmp_path: Path) -> None:
+    require_bwrap()
+    found = probe(sys.executable, "bwrap", tmp_path, cwd=ROOT)
+    assert found["package"] == str(ROOT / "patchgym" / "__init__.py")
+    assert not any(r["found"] for r in found["results"].values()), found
+
+
+def test_no_gold_patch_is_readable_from_docker(wheel_python: str, tmp_path: Path) -> None:
+    require_docker()
+    for python, cwd in ((sys.executable, ROOT), (wheel_python, tmp_path)):
+        found = probe(python, "docker", tmp_path, cwd=cwd)
+        assert not any(r["found"] for r in found["results"].values()), found
+
+
+def test_masks_cover_the_package_and_task_folders_but_never_the_interpreter(tmp_path: Path) -> None:
+    """A checkout holding its own venv (as a development checkout does): the checkout is hidden
+    entry by entry, the venv stays; folders outside what is bound need no mask."""
+    checkout = tmp_path / "opt" / "patchgym-src"
+    for folder in ("patchgym/plugins/tiny", "tests/fixtures", ".venv/bin"):
+        (checkout / folder).mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text('[project]\nname = "patchgym"\n')
+    task = tmp_path / "opt" / "tasks" / "t1"
+    (task / "repo").mkdir(parents=True)
+    hidden = [str(checkout), str(task), str(tmp_path / "elsewhere")]
+    args = mask_args(hidden, bound=[str(tmp_path / "opt")], keep=[str(checkout / ".venv")])
+    masked = args[1::4]
+    assert masked == sorted([str(checkout / "patchgym"), str(checkout / "tests"), str(task)])
+    assert args[:4] == ["--tmpfs", masked[0], "--remount-ro", masked[0]]
+    paths = hidden_host_paths(task / "repo", extra=["/srv/tasks"])
+    assert str(task) in paths and "/srv/tasks" in paths
+    assert os.path.realpath(str(ROOT / "patchgym")) in paths  # this (editable) install
+
+
+# -- kind 6: retry as a channel -------------------------------------------------------------
+# An agent that ends its own sandbox got a retryable `sandbox_lost` infrastructure error on main
+# (its 0 traded for another try). A sandbox that ended from inside is scored now.
+
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+KILLERS = {
+    "kill-all": "kill -9 -1; sleep 5",
+    "kill-init": "kill 1; sleep 5",
+    "kill-init-child": "kill -9 $(cat /proc/1/task/1/children); sleep 5",
+}
+
+
+async def play(backend: Any, commands: list[str]) -> dict[str, Any]:
+    env = AsyncSWEEnv(tiny_task_set(), backend)
+    try:
+        await env.reset(options={"task": "roman-subtractive"})
+        for command in [*commands, SUBMIT]:
+            _, reward, terminated, truncated, info = await env.step(f"```bash\n{command}\n```")
+            if terminated or truncated:
+                break
+    finally:
+        await env.close()
+    return {"reward": reward, **info}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def docker_backend() -> AsyncIterator[Any]:
+    require_docker()
+    from patchgym.backends.sandbox.docker import DockerSandboxBackend
+
+    backend = DockerSandboxBackend(concurrency=4)
+    yield backend
+    await backend.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("attack", sorted(KILLERS))
+async def test_an_agent_that_ends_its_docker_sandbox_is_scored_not_retried(docker_backend: Any, attack: str) -> None:
+    info = await play(docker_backend, [KILLERS[attack]])
+    assert info["infra_error"] is None, info["infra_error"]
+    assert info["termination"] == AGENT_KILLED_SANDBOX and info["reward"] == 0.0
+    assert info["grade"]["details"]["reason"] == AGENT_KILLED_SANDBOX
+    assert (
+        "exited by itself" in info["grade"]["details"]["message"]
+        or "stopped by itself" in info["grade"]["details"]["message"]
+    )
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_killer_left_behind_ends_the_sandbox_between_commands(docker_backend: Any) -> None:
+    """The background killer escapes the command's process group and ends the container while no
+    command runs: the next command finds it stopped, and that is still the agent's doing."""
+    killer = "setsid sh -c 'sleep 1; kill -9 -1' >/dev/null 2>&1 < /dev/null &"
+    info = await play(docker_backend, [killer, "sleep 4", "sleep 1"])
+    assert info["infra_error"] is None, info["infra_error"]
+    assert (info["termination"], info["reward"]) == (AGENT_KILLED_SANDBOX, 0.0), info
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_container_removed_on_the_host_is_still_an_infrastructure_fault(docker_backend: Any) -> None:
+    """Control: the agent cannot remove its container; a loss it cannot have caused stays retryable."""
+    env = AsyncSWEEnv(tiny_task_set(), docker_backend)
+    try:
+        await env.reset(options={"task": "roman-subtractive"})
+        assert env.sandbox is not None
+        await docker_backend.remove(env.sandbox.container)  # type: ignore[attr-defined]
+        _, _, _, _, info = await env.step("```bash\nls\n```")
+    finally:
+        await env.close()
+    assert info["infra_error"]["kind"] == "sandbox_lost" and info["infra_error"]["retryable"] is True
+    assert info["termination"] == "infra_error"
+
+
+@pytest.mark.parametrize("attack", sorted(KILLERS))
+async def test_on_bwrap_a_killer_ends_only_its_own_command(attack: str, tmp_path: Path) -> None:
+    """bwrap gives each command its own PID namespace: the killer ends its command, the episode
+    goes on and the gold patch applied afterwards still scores 1."""
+    require_bwrap()
+    from patchgym.backends.sandbox.local import LocalSandboxBackend
+
+    backend = LocalSandboxBackend(isolation="bwrap", root_dir=tmp_path)
+    gold = tiny_task_set().get("roman-subtractive").gold_patch
+    assert gold is not None
+    try:
+        info = await play(backend, [KILLERS[attack], apply_patch_command(gold)])
+    finally:
+        await backend.aclose()
+    assert info["infra_error"] is None and (info["termination"], info["reward"]) == ("submitted", 1.0)
