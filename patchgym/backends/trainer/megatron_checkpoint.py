@@ -9,8 +9,9 @@ ranks hold slices of, with no data exchange at save or load, readable at another
 size (not at another TP/PP split: resharding those needs `fully_reshardable`, which gathers the
 state over the data-parallel ranks). Every rank writes its own shards in parallel (megatron's
 fully parallel strategy spreads replicated tensors over the data-parallel ranks). `load` reads
-what this rank's shards need, then restores the step counters and rank 0's RNG state (CPU generators only: every rank
-seeds and draws alike). The Hugging Face export is separate (`MegatronTrainer.export`).
+what this rank's shards need, then restores the step counters and rank 0's RNG state (CPU
+generators only: every rank seeds and draws alike). The Hugging Face export is separate
+(`MegatronTrainer.export`).
 """
 
 from __future__ import annotations
