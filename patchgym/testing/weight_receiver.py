@@ -4,8 +4,8 @@
 keeps them for the next sync, tells the receiver each bucket's names, dtypes and shapes in order,
 leaves them on failure), but the receiving rank is a plain process (`python -m
 patchgym.testing.weight_receiver`) that joins the groups as SGLang's engine ranks do (a TCP
-rendezvous at the sender, keys prefixed by the group name), receives each bucket into fresh
-tensors and keeps the last of each name. It reads one JSON command per line and answers one:
+rendezvous at the sender, keys prefixed by the group name) and receives each bucket into the
+tensors it holds by name (as an engine loads into its weights; allocated at the first sync). It reads one JSON command per line and answers one:
 `join`, `receive`, `save` (a safetensors file of what it holds), `destroy`.
 
     engine = ReceiverEngine(weight_bucket_bytes=64 << 20)
@@ -153,9 +153,10 @@ def _serve() -> None:
             elif op == "receive":
                 group = groups[command["group_name"]]
                 for name, dtype, shape in zip(command["names"], command["dtypes"], command["shapes"], strict=True):
-                    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                    dist.broadcast(tensor, src=0, group=group)
-                    held[name] = tensor
+                    tensor = held.get(name)
+                    if tensor is None or list(tensor.shape) != shape or tensor.dtype != getattr(torch, dtype):
+                        tensor = held[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                    dist.broadcast(tensor, src=0, group=group)  # into the buffer of the last sync, as weights
             elif op == "save":
                 save_file(held, command["path"])
             elif op == "destroy":
