@@ -165,7 +165,16 @@ def _python(change: FileChange) -> Iterator[Finding]:
     old_tree = python_source.parse(change.old) if change.old is not None else None
     if new_tree is None:
         if change.old is None or old_tree is not None:
-            yield Finding(change.path, 0, names.UNPARSEABLE, "does not parse as the interpreter reads it")
+            # newer syntax than this interpreter's, or a deliberate error: suspect only where its
+            # tokens name what the checks look for (or it does not even tokenize)
+            suspicious = python_source.unparsed_names(change.new)
+            if suspicious is None or suspicious:
+                text = (
+                    "does not tokenize"
+                    if suspicious is None
+                    else f"does not parse here; names {sorted(suspicious)[:5]}"
+                )
+                yield Finding(change.path, 0, names.UNPARSEABLE, text)
         return
     before = Counter(c.key for c in python_source.constructs(old_tree)) if old_tree is not None else Counter()
     for construct in python_source.constructs(new_tree):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import builtins
+import io
 import re
+import tokenize
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +48,37 @@ def parse(data: bytes) -> ast.Module | None:
             return ast.parse(data)
     except (SyntaxError, ValueError, UnicodeError, LookupError, MemoryError, RecursionError):
         return None
+
+
+SUSPICIOUS_TOKENS = (
+    names.FRAMEWORK_MODULES
+    | {name.rsplit(".", 1)[-1] for name in names.REACHES}
+    | {name.split(".")[0] for name in names.REACHES}
+    | set(names.ATTRIBUTES)
+    | {name.rsplit(".", 1)[-1] for name in names.IMPORTERS | names.EXECUTORS}
+    | {"importlib", "runpy", "pkgutil", "getattr", "vars", "globals", "setattr"}
+) - {"sys", "os", "types", "signal", "inspect"}
+"""Names whose presence in a file that does not parse here leaves the file suspect."""
+
+
+def unparsed_names(data: bytes) -> set[str] | None:
+    """For a file `ast` cannot parse on this interpreter (newer syntax, a deliberate error): the
+    suspicious names its tokens hold (in strings too), or None if it cannot even be tokenized
+    under its declared encoding."""
+    found: set[str] = set()
+    try:
+        for token in tokenize.tokenize(io.BytesIO(data).readline):
+            if token.type == tokenize.NAME and token.string in SUSPICIOUS_TOKENS:
+                found.add(token.string)
+            elif token.type == tokenize.STRING:
+                found |= {
+                    word
+                    for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", token.string)
+                    if word in names.FRAMEWORK_MODULES
+                }
+    except (tokenize.TokenError, SyntaxError, UnicodeError, LookupError, ValueError):
+        return None
+    return found
 
 
 def constructs(tree: ast.Module) -> list[Construct]:
