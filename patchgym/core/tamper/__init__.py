@@ -65,18 +65,29 @@ class _Tree:
         return path in self.added or (self.existed(path) and path not in self.deleted)
 
 
+MAX_SOURCE_BYTES = 5_000_000
+"""A Python file larger than this is not parsed (time and memory) but is itself a finding."""
+
+
 def tamper_findings(
-    changes: Iterable[FileChange], limit: int = 20, *, pristine: Collection[str] | None = None
+    changes: Iterable[FileChange],
+    limit: int = 20,
+    *,
+    pristine: Collection[str] | None = None,
+    max_source_bytes: int = MAX_SOURCE_BYTES,
 ) -> list[Finding]:
     """Suspicious changes among `changes` (the agent's non-test changes), at most `limit`.
     `pristine`: every path of the pristine tree, where known (to tell new top-level modules and
-    the framework's own package); without it only the changes decide."""
+    the framework's own package); without it only the changes decide. A Python file over
+    `max_source_bytes` is a finding rather than parsed."""
     changes = list(changes)
     tree = _Tree(changes, pristine)
     findings: list[Finding] = []
     for change in changes:
         findings.extend(
-            finding for finding in check_change(change, tree.existed, tree.exists) if not _own_framework(finding, tree)
+            finding
+            for finding in check_change(change, tree.existed, tree.exists, max_source_bytes)
+            if not _own_framework(finding, tree)
         )
         if len(findings) >= limit:
             break
@@ -106,7 +117,12 @@ def check_change(
     if layout.is_env_file(path) or path.endswith((".py", ".pth")):
         yield from _runner_env(change)
     if python_source.is_python(path, change.new) and not layout.framework_package(path, existed):
-        yield from _python(change)
+        if len(change.new) > max_source_bytes:
+            yield Finding(
+                path, 0, names.UNPARSEABLE, f"{len(change.new)} bytes: over max_source_bytes {max_source_bytes}"
+            )
+        else:
+            yield from _python(change)
 
 
 def _shadowing(change: FileChange, existed: Callable[[str], bool], exists: Callable[[str], bool]) -> Iterator[Finding]:

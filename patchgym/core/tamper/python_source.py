@@ -101,16 +101,17 @@ class _Visitor(ast.NodeVisitor):
         self.shadowed: set[str] = set()
         self.found: list[Construct] = []
         self.folding = False
-        self.parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        nodes = list(ast.walk(tree))  # one walk, read by every table below
+        self.parents = {child: node for node in nodes for child in ast.iter_child_nodes(node)}
         self.imported = {
             alias.asname or alias.name.split(".")[0]
-            for node in ast.walk(tree)
+            for node in nodes
             if isinstance(node, ast.Import | ast.ImportFrom)
             for alias in node.names
         }
         constants: dict[str, ast.expr] = {}
         assigned: dict[str, int] = {}
-        for node in ast.walk(tree):
+        for node in nodes:
             for target, value in _assignments(node):
                 if isinstance(target, ast.Name):
                     assigned[target.id] = assigned.get(target.id, 0) + 1
@@ -124,13 +125,13 @@ class _Visitor(ast.NodeVisitor):
             | self.shadowed
             | {
                 arg.arg
-                for node in ast.walk(tree)
+                for node in nodes
                 if isinstance(node, ast.arguments)
                 for arg in (*node.posonlyargs, *node.args, *node.kwonlyargs)
             }
         )
         # module aliases: every import binds a name, and `m = sys` binds one more
-        for node in ast.walk(tree):
+        for node in nodes:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname:
@@ -141,7 +142,7 @@ class _Visitor(ast.NodeVisitor):
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for alias in node.names:
                     self.aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-        for node in ast.walk(tree):
+        for node in nodes:
             for target, value in _assignments(node):
                 if isinstance(target, ast.Name) and target.id not in self.aliases:
                     resolved = self.qualname(value)
