@@ -103,7 +103,10 @@ def _own_framework(finding: Finding, tree: _Tree) -> bool:
 
 
 def check_change(
-    change: FileChange, existed: Callable[[str], bool], exists: Callable[[str], bool]
+    change: FileChange,
+    existed: Callable[[str], bool],
+    exists: Callable[[str], bool],
+    max_source_bytes: int = MAX_SOURCE_BYTES,
 ) -> Iterator[Finding]:
     """The findings of one changed path; `existed`/`exists`: whether a path is in the pristine /
     the agent's tree."""
