@@ -368,7 +368,8 @@ class _Visitor(ast.NodeVisitor):
         if any(word in lowered for word in names.REPORT_WORDS):
             self.add(names.REPORT, node, f"{names.REPORT}: {text[:100]}")
         for variable in names.RUNNER_ENV_NAMES:
-            if variable in text:
+            # in Python only pytest's own variables: honest code reads PYTHONPATH and the like
+            if variable.startswith("PYTEST_") and variable in text:
                 self.add(names.RUNNER_ENV, node, f"{names.RUNNER_ENV}: {variable}")
         if "pytest11" in text:
             self.add(names.PLUGIN, node, "pytest11")
