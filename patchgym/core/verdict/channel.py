@@ -24,8 +24,10 @@ from patchgym.core.grading_shell import GradingRoom
 from patchgym.core.verdict.canaries import Canary
 
 INSIDE = Path(__file__).with_name("inside")
-SUPERVISOR = INSIDE / "supervisor.py"
-RECORDER = INSIDE / "recorder.py"
+SUPERVISOR_SOURCE = (INSIDE / "supervisor.py").read_text()
+RECORDER_SOURCE = (INSIDE / "recorder.py").read_text()
+"""Both read once, at import: a command that rewrites patchgym's files (possible on
+`isolation="none"`) cannot change what later gradings run."""
 Mode = Literal["pytest", "unittest", "plain"]
 RECORD_OVERHEAD_BYTES = 64_000_000
 """Room for the records beside the log in the supervisor's one line of output."""
@@ -82,7 +84,7 @@ class Prepared:
 
 
 def _recorder_source(channel: tuple[int, int], canary: str | None) -> str:
-    source = RECORDER.read_text()
+    source = RECORDER_SOURCE
     for old, new in (("_CHANNEL = None", f"_CHANNEL = {channel!r}"), ("_CANARY = None", f"_CANARY = {canary!r}")):
         if old not in source:
             raise RuntimeError(f"the recorder lost its {old!r} line")
@@ -139,7 +141,7 @@ async def run_supervised(
     }
     control_path = await room.write(f"{secrets.token_hex(8)}.json", json.dumps(control))
     run = await room.sandbox.exec(
-        f"exec {shlex.quote(room.python)} -I -S -c {shlex.quote(SUPERVISOR.read_text())} {shlex.quote(control_path)}",
+        f"exec {shlex.quote(room.python)} -I -S -c {shlex.quote(SUPERVISOR_SOURCE)} {shlex.quote(control_path)}",
         timeout_s=timeout_s + 120,
         max_output_bytes=2 * max_log_bytes + RECORD_OVERHEAD_BYTES,
     )

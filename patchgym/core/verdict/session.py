@@ -86,6 +86,7 @@ async def supervised_run(
             remove_after=(f"{room.sandbox.workdir}/{canary.path}",) if canary else (),
         )
     except NoVerdict as exc:
+        await room.run("true", timeout_s=60)  # a sandbox the tests stopped raises SandboxLostError here
         return Supervised({}, exc.output, None, 0.0, {"verdict": {"mode": mode}}, "no_verdict", str(exc))
     return judge(verdict, canary, expected)
 
