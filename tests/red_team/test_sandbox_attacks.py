@@ -366,3 +366,67 @@ async def test_a_rewritten_grading_helper_reaches_no_later_grading(
     finally:
         await backend.aclose()
     assert info["reward"] == 0.0 and info["grade"]["details"]["reason"] != "resolved"
+
+
+# -- unit tests of the limits -----------------------------------------------------------------
+
+
+def test_check_tree_compares_with_the_pristine_tree() -> None:
+    from patchgym.core.tree_limits import TreeLimitExceeded, TreeSize, check_tree
+
+    pristine = TreeSize(entries=100, bytes=10_000)
+    check_tree(TreeSize(110, 10_500), pristine, max_files=10, max_bytes=500)  # at the limits: fine
+    check_tree(None, None, max_files=1, max_bytes=1)  # no GNU find in the image: the copy's checks only
+    for agent, reason in (
+        (TreeSize(111, 10_000), "too_many_files"),
+        (TreeSize(100, 10_501), "diff_too_large"),
+        (None, "tree_unmeasurable"),
+    ):
+        with pytest.raises(TreeLimitExceeded) as refused:
+            check_tree(agent, pristine, max_files=10, max_bytes=500)
+        assert refused.value.reason == reason
+
+
+def test_a_tree_that_grew_after_its_measure_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    from patchgym.core.tree_diff import TreeTooLarge, tree_changes
+
+    pristine, changed = tmp_path / "a", tmp_path / "b"
+    pristine.mkdir(), changed.mkdir()
+    (pristine / "f.py").write_text("x = 1\n")
+    (changed / "f.py").write_text("x = 2\n")
+    with (changed / "sparse.bin").open("wb") as sparse:
+        sparse.truncate(2 << 30)
+    with pytest.raises(TreeTooLarge):
+        tree_changes(pristine, changed, lambda path: False, max_extra_bytes=1 << 20)
+    (changed / "sparse.bin").unlink()
+    assert [c.path for c in tree_changes(pristine, changed, lambda path: False, max_extra_bytes=0)] == ["f.py"]
+
+
+async def test_the_disk_quota_cancels_a_command_over_it_and_notes_one_that_ended_over_it() -> None:
+    import asyncio
+
+    from patchgym.backends.sandbox.disk_quota import DiskQuota
+    from patchgym.core.sandbox import ExecResult
+
+    used = [0]
+    cancelled = asyncio.Event()
+
+    async def measure() -> int:
+        return used[0]
+
+    async def command(seconds: float) -> ExecResult:
+        try:
+            used[0] = 2_000
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return ExecResult(exit_code=0, stdout="done", stderr="")
+
+    quota = DiskQuota(quota_bytes=1_000, interval_s=0.05)
+    killed = await quota.run(command(60), measure)
+    assert cancelled.is_set() and killed.exit_code == 137 and "over its disk quota" in killed.stderr
+    quick = await DiskQuota(quota_bytes=1_000, interval_s=60).run(command(0), measure)
+    assert quick.exit_code == 0 and quick.stdout == "done" and "2000 bytes used" in quick.stderr
+    used[0] = 0
+    assert (await DiskQuota(None).run(command(0), measure)).stderr == ""
