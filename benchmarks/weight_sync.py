@@ -1,9 +1,15 @@
-"""Weight sync, the three ways a trainer hands weights to an engine, beside a raw gloo broadcast, in one run.
+"""Weight sync, the ways a trainer hands weights to an engine, beside a raw gloo broadcast, in one run.
 
-For each model (the tiny model and a ~100M-parameter Qwen3 with the same tokenizer) it times:
+For each model (Qwen3s with the tiny model's tokenizer, from about 1M to about 100M parameters) it times:
 - raw: a gloo broadcast of the same tensors, in the same order, from one process to another on
   127.0.0.1 (group formed beforehand; each round ends when the receiver acknowledges): the rate
   the network path allows;
+- stream: the Megatron trainer's streamed sync (`megatron_sync`), the way a run syncs: a one-rank
+  `MegatronTrainer` holding the model, `WeightSync(mode="distributed")` into a receiving engine
+  process (`patchgym.testing.weight_receiver`), buckets of `--bucket-fraction` of the model (an
+  eighth: at least 8 buckets); the group forms in the warm-up round and is reused after; the
+  sender's extra peak memory is the streamer's own count (`SyncStats`);
+With `--sglang` (the CPU SGLang venv), also:
 - distributed: `SGLangEngine.update_weights(DistributedWeights(...))` into a real CPU SGLang
   server (patchgym's CPU SGLang venv): group rendezvous, bucketed broadcast, the engine loading
   the buckets, version and cache flush, group teardown; the whole call;
@@ -15,9 +21,12 @@ rounds reuse the allocator's pages), so the warm-up rounds are reported apart ("
 medians of the other rounds are the steady state a training run sees after its first step, as
 seconds and GB/s of the fp32 state dict, with each way's rate as a ratio of the raw broadcast's.
 
-    nice python benchmarks/weight_sync.py [--rounds 5] [--warmup 1] [--models tiny,100m] [--bucket-mb 512]
+    nice python benchmarks/weight_sync.py [--rounds 5] [--warmup 1] [--models 1m,10m,100m] [--sglang] [--json]
 
-Target: distributed >= 0.5x the raw broadcast's rate.
+With `--json` the last line is `{"rows": [{"way", "model", "params", "model_bytes", "bucket_bytes",
+"sender_extra_peak_bytes", "seconds", "first_s", "gb_s", "ratio_vs_raw"}, ...]}`, one row per way
+and model (raw's ratio is 1). Targets (issue 29): stream's sender extra peak <= 3 buckets; the 1M
+model's stream >= 0.5x raw, the 100M one's >= 0.8x.
 """
 
 from __future__ import annotations
@@ -53,6 +62,15 @@ from patchgym.process_groups import handle_interrupts
 console = Console()
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": {},
+    "1m": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 3, "head_dim": 32},
+    "10m": {
+        "hidden_size": 384,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+    },
     "100m": {
         "hidden_size": 768,
         "intermediate_size": 3072,
@@ -62,7 +80,8 @@ MODELS: dict[str, dict[str, Any]] = {
         "head_dim": 64,
     },
 }
-"""Overrides of the tiny model's Qwen3 config (patchgym.models.tiny); 100m: 104M parameters."""
+"""Overrides of the tiny model's Qwen3 config (patchgym.models.tiny): 1m, 10m and 100m have about 1M,
+10M and 104M parameters."""
 
 
 def free_port() -> int:
@@ -122,6 +141,38 @@ def raw_broadcast(model: Path, rounds: int) -> list[float]:
     return json.loads(outputs[0])
 
 
+# -- stream: the Megatron trainer's streamed sync, in a process of its own ---------------------
+def stream_rank(model: Path, rounds: int, bucket_bytes: int) -> None:
+    """A one-rank Megatron trainer syncing `rounds` times into a receiving engine; prints JSON."""
+    from patchgym.backends.trainer.megatron import MegatronTrainer
+    from patchgym.launch.sync import WeightSync
+    from patchgym.testing.weight_receiver import ReceiverEngine
+
+    trainer = MegatronTrainer(model, sync_bucket_bytes=bucket_bytes, use_distributed_optimizer=False)
+
+    async def run() -> list[dict[str, Any]]:
+        engine = ReceiverEngine(weight_bucket_bytes=bucket_bytes)
+        with tempfile.TemporaryDirectory() as tmp:
+            sync = WeightSync(trainer, engine, mode="distributed", run_dir=Path(tmp))
+            try:
+                return [(await sync(version)).as_dict() for version in range(1, rounds + 1)]
+            finally:
+                await engine.aclose()
+                await trainer.aclose()
+
+    print(json.dumps(asyncio.run(run())), flush=True)
+
+
+def stream(model: Path, rounds: int, bucket_bytes: int) -> list[dict[str, Any]]:
+    command = [sys.executable, __file__, "--stream-rank", "--model-dir", str(model), "--rounds", str(rounds)]
+    command += ["--bucket-bytes", str(bucket_bytes)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"the streamed sync failed: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 # -- the three ways ---------------------------------------------------------------------------
 async def timed(rounds: int, weights: dict[str, torch.Tensor], once: Callable[[dict, int], Any]) -> list[float]:
     """Seconds of `rounds` calls of `once(weights + noise, version)` (the noise is made outside the timing)."""
@@ -155,13 +206,22 @@ def sglang_server(model: Path, logs: Path) -> Iterator[str]:
         stop_servers(servers, settings.stop_grace_s)
 
 
-def measure(name: str, model: Path, rounds: int, bucket_bytes: int, work: Path) -> dict[str, Any]:
+def measure(name: str, model: Path, rounds: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     weights = load_file(model / "model.safetensors")
     row: dict[str, Any] = {"model": name, "params": sum(t.numel() for t in weights.values())}
     row["bytes"] = state_bytes(weights)
     console.print(f"{name}: raw gloo broadcast", highlight=False)
     row["raw"] = raw_broadcast(model, rounds)
-
+    row["stream_bucket"] = max(1, int(row["bytes"] * args.bucket_fraction))
+    console.print(f"{name}: stream: the Megatron trainer's streamed sync", highlight=False)
+    reports = stream(model, rounds, row["stream_bucket"])
+    row["stream"] = [r["seconds"] for r in reports]
+    row["stream_peak"] = max(s["sender_extra_peak_bytes"] for r in reports for s in r["senders"])
+    row["stream_buckets"] = reports[-1]["senders"][0]["buckets"]
+    row["stream_formed"] = [r["groups_formed"] for r in reports]
+    if not args.sglang:
+        return row
+    bucket_bytes = args.bucket_mb << 20
     checkpoint = work / f"{name}-checkpoint"  # config and tokenizer once; each round writes the weights
     shutil.copytree(model, checkpoint)
     with sglang_server(model, work / f"{name}-logs") as url:
@@ -212,6 +272,56 @@ def steady(row: dict[str, Any], key: str) -> float:
     return statistics.median(row[key][row["warmup"] :])
 
 
+def json_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per way and model: the `--json` schema (see the module docstring)."""
+    out = []
+    for row in rows:
+        raw = steady(row, "raw")
+        for way in ("raw", "stream", "distributed", "tensor", "disk"):
+            if way not in row:
+                continue
+            seconds = steady(row, way)
+            out.append(
+                {
+                    "way": way,
+                    "model": row["model"],
+                    "params": row["params"],
+                    "model_bytes": row["bytes"],
+                    "bucket_bytes": row["stream_bucket"] if way == "stream" else None,
+                    "buckets": row["stream_buckets"] if way == "stream" else None,
+                    "sender_extra_peak_bytes": row["stream_peak"] if way == "stream" else None,
+                    "seconds": seconds,
+                    "first_s": row[way][0],
+                    "gb_s": row["bytes"] / 1e9 / seconds,
+                    "ratio_vs_raw": raw / seconds,
+                }
+            )
+    return out
+
+
+def report_stream(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="the Megatron streamed sync (medians after the warm-up; x = rate / raw rate)")
+    for column in ("model", "params", "MB", "raw", "stream", "bucket MB", "buckets", "sender extra peak", "target"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        raw, mine = steady(row, "raw"), steady(row, "stream")
+        ratio, peak, bucket = raw / mine, row["stream_peak"], row["stream_bucket"]
+        want = 0.5 if row["params"] < 5e6 else 0.8
+        verdict = "meets" if ratio >= want and peak <= 3 * bucket else "misses"
+        table.add_row(
+            row["model"],
+            f"{row['params'] / 1e6:.1f}M",
+            f"{row['bytes'] / 1e6:.1f}",
+            f"{raw * 1e3:.1f} ms",
+            f"{mine * 1e3:.1f} ms, {ratio:.2f}x",
+            f"{bucket / 1e6:.2f}",
+            str(row["stream_buckets"]),
+            f"{peak / bucket:.2f} buckets",
+            f"{verdict} (>= {want}x, <= 3 buckets)",
+        )
+    console.print(table)
+
+
 def report(rows: list[dict[str, Any]]) -> None:
     title = "weight sync, steady state: medians after the warm-up (GB/s of the fp32 state dict; x = rate / raw rate)"
     table = Table(title=title)
@@ -244,8 +354,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per way, after the warm-up")
     parser.add_argument("--warmup", type=int, default=1, help="first rounds per way, reported apart")
-    parser.add_argument("--models", default="tiny,100m", help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument("--models", default="1m,10m,100m", help=f"comma-separated, of {sorted(MODELS)}")
     parser.add_argument("--bucket-mb", type=int, default=512, help="SGLangEngine weight_bucket_bytes, in MiB")
+    parser.add_argument("--bucket-fraction", type=float, default=1 / 8, help="stream: bucket size / model size")
+    parser.add_argument("--sglang", action="store_true", help="also the ways into a CPU SGLang server")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON on the last line")
+    parser.add_argument("--stream-rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bucket-bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--raw-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -253,15 +368,22 @@ def main() -> None:
     if args.raw_rank is not None:
         raw_rank(args.raw_rank, args.port, args.model_dir, args.rounds)
         return
+    if args.stream_rank:
+        stream_rank(args.model_dir, args.rounds, args.bucket_bytes)
+        return
     handle_interrupts()  # Ctrl-C or SIGTERM (e.g. `timeout`) still stops the SGLang server
     rows = []
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
         work = Path(tmp)
         for name in args.models.split(","):
             model = init_tiny_model(work / name, **MODELS[name])
-            row = measure(name, model, args.warmup + args.rounds, args.bucket_mb << 20, work)
+            row = measure(name, model, args.warmup + args.rounds, args, work)
             rows.append({**row, "warmup": args.warmup})
-    report(rows)
+    report_stream(rows)
+    if args.sglang:
+        report(rows)
+    if args.json:
+        print(json.dumps({"rows": json_rows(rows)}), flush=True)
 
 
 if __name__ == "__main__":

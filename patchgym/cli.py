@@ -14,19 +14,19 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from patchgym.cli_images import build_images_command
+from patchgym.cli_options import parse_options
 from patchgym.core.actions import SUBMIT_SENTINEL
 from patchgym.core.errors import ConfigError, PatchgymError
 from patchgym.core.plugins import KIND_LABELS, registry
 from patchgym.core.sandbox import SandboxBackend
 from patchgym.core.tasks import Task, TaskSet
 from patchgym.core.validation import TaskValidation, validate_task
-from patchgym.plugins.swebench_images.command import build_images_command
 from patchgym.plugins.synthetic.command import generate_tasks
 
 app = typer.Typer(help="patchgym: train software-engineering agents with reinforcement learning.", no_args_is_help=True)
@@ -51,17 +51,6 @@ SandboxOptionsOpt = Annotated[
         help="KEY=VALUE setting of the sandbox backend (repeatable; `patchgym plugins --options NAME` lists them)",
     ),
 ]
-
-
-def parse_options(items: list[str] | None) -> dict[str, Any]:
-    """KEY=VALUE pairs; values are read as YAML scalars (8 → int, true → bool, text → str)."""
-    options: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"expected KEY=VALUE, got {item!r}")
-        options[key] = yaml.safe_load(value) if value else ""
-    return options
 
 
 def make_sandbox(name: str, options: list[str] | None) -> SandboxBackend:
@@ -349,9 +338,8 @@ def run_pipeline(
     --options NAME` lists a part's options)."""
     import shutil
 
-    from patchgym.logs import library_output_to
+    from patchgym.pipeline.checks import check_config
     from patchgym.pipeline.config import load_run_config
-    from patchgym.pipeline.run import Pipeline, check_config
 
     if (config is None) == (resume is None):
         raise ConfigError("give either CONFIG (a new run) or --resume RUN_DIR (continue a run)")
@@ -368,13 +356,22 @@ def run_pipeline(
         command = ["patchgym", "run", *(["--resume", str(resume)] if resume is not None else [str(config)])]
         _print_plan(settings, command, as_json)
         return
-    check_config(settings)
+    check_config(settings)  # before torch is imported, for every part but the trainer and the engine
+    from patchgym.logs import library_output_to
+    from patchgym.pipeline.run import Pipeline
+
     if resume is None:
         _claim_run_dir(Path(settings.run_dir), overwrite)
         Path(settings.run_dir).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, Path(settings.run_dir) / "config.yaml")
-    with library_output_to(Path(settings.run_dir)):  # library warnings and logging: RUN_DIR/library.log
-        asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
+    try:
+        with library_output_to(Path(settings.run_dir)):  # library warnings and logging: RUN_DIR/library.log
+            asyncio.run(Pipeline(settings, console=console).run(resume=resume is not None))
+    except KeyboardInterrupt:
+        from patchgym.pipeline.feedback import resume_hint
+
+        console.print(f"[yellow]{escape(resume_hint(settings.run_dir))}[/]", highlight=False)
+        raise typer.Exit(130) from None
     console.print(f"events, checkpoints and plots: {escape(settings.run_dir)} (`patchgym report` draws the plots)")
 
 
@@ -415,6 +412,12 @@ def report(
                 console.print(table, markup=False, highlight=False, soft_wrap=True)
             plot = compare_endings(run_dirs, Path(run_dirs[0]) / "report")
             console.print(f"wrote {escape(str(plot))}: the runs' endings per step together")
+        if len(run_dirs) > 2:  # seeds of one config: each figure as a range
+            from patchgym.seed_spread import spread_plot, spread_table
+
+            console.print(spread_table(run_dirs), markup=False, highlight=False, soft_wrap=True)
+            plot = spread_plot(run_dirs, Path(run_dirs[0]) / "report")
+            console.print(f"wrote {escape(str(plot))}: the runs' training reward, mean and range")
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
 

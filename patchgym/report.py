@@ -1,8 +1,9 @@
 """`patchgym report RUN_DIR`: PNG plots and a markdown summary from a run's events.jsonl.
 
-Writes into RUN_DIR/report/: reward.png (training reward and pass@1 of each evaluation over
-steps), step_time.png (stacked split of each step's time), lengths.png (trajectory turns by
-termination reason, training and evaluation apart), sandbox.png (phase times per trajectory, log
+Writes into RUN_DIR/report/: reward.png (training reward over steps, raw and smoothed, and pass@1
+of each evaluation; the legend below the axes), step_time.png (stacked split of each step's time),
+lengths.png (trajectory turns by termination reason: one panel for training and one per
+evaluation stage, each reason one colour in every panel), sandbox.png (phase times per trajectory, log
 scale), endings.png (submit rate and turn-cap share per step), and summary.md (with the group
 accounting and the step-time split). `compare_step_split` and `compare_outcomes` put the step-time
 split, and how episodes ended and scored, of several runs side by side; `compare_endings` plots
@@ -18,7 +19,7 @@ this split show `logprob_recompute_s`, always 0, which is ignored).
 from __future__ import annotations
 
 import statistics
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,19 @@ STEP_PARTS = {
     "orchestration_s": "orchestration",
 }
 PHASES = ("sandbox_start_s", "commands_s", "llm_s", "grade_s")
+SMOOTHING_STEPS = 10
+"""reward.png's smoothed line: the mean of the last this many steps (the raw line is drawn faintly)."""
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """The trailing mean of `values` over `window` points (fewer at the start)."""
+    out, total = [], 0.0
+    for n, value in enumerate(values):
+        total += value
+        if n >= window:
+            total -= values[n - window]
+        out.append(total / min(n + 1, window))
+    return out
 
 
 def _plt() -> Any:
@@ -42,19 +56,23 @@ def _plt() -> Any:
     return plt
 
 
-def _reward_plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], out: Path) -> None:
+def _reward_plot(
+    steps: list[dict[str, Any]], evals: list[dict[str, Any]], out: Path, window: int = SMOOTHING_STEPS
+) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5.2))
     if steps:
         x = [s["step"] for s in steps]
         mean = [s.get("reward_mean", 0.0) for s in steps]
         std = [s.get("reward_std", 0.0) for s in steps]
-        ax.plot(x, mean, label="training reward (batch mean)")
+        ax.plot(x, mean, color="C0", alpha=0.3, linewidth=0.8, label="training reward (batch mean)")
+        ax.plot(x, smoothed(mean, window), color="C0", linewidth=2, label=f"smoothed (mean of {window} steps)")
         ax.fill_between(  # rewards lie in [0, 1]: so does the band
             x,
             [max(0.0, m - d) for m, d in zip(mean, std, strict=True)],
             [min(1.0, m + d) for m, d in zip(mean, std, strict=True)],
-            alpha=0.2,
+            color="C0",
+            alpha=0.1,
             label="±1 std within the batch (clipped to [0, 1])",
         )
     at_step: Counter[int] = Counter()
@@ -67,7 +85,7 @@ def _reward_plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], out: 
         text = f"{e.get('stage', 'eval')}: {e['pass_at_1']:.1%}"
         ax.annotate(text, (step, e["pass_at_1"]), xytext=offset, textcoords="offset points", fontsize=8)
     ax.set(xlabel="step", ylabel="reward / pass@1", title="Reward and pass@1", ylim=(-0.05, 1.05))
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)  # off the data
     fig.tight_layout()
     fig.savefig(out / "reward.png", dpi=110)
     plt.close(fig)
@@ -89,26 +107,51 @@ def _step_time_plot(steps: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
+def length_panels(trajectories: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """lengths.png's panels: training episodes, then each evaluation stage on its own (never pooled)."""
+    panels: dict[str, list[dict[str, Any]]] = {"training": []}
+    for t in trajectories:
+        stage = str(t.get("stage", ""))
+        panels.setdefault("training" if not stage.startswith("eval") else stage.replace("eval-", "eval: "), []).append(
+            t
+        )
+    return panels
+
+
+def reason_colours(trajectories: list[dict[str, Any]]) -> dict[str, str]:
+    """One colour per termination reason, the same in every panel."""
+    reasons = sorted({t.get("termination") or "none" for t in trajectories})
+    return {reason: f"C{n % 10}" for n, reason in enumerate(reasons)}
+
+
 def _lengths_plot(trajectories: list[dict[str, Any]], out: Path) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     plt = _plt()
-    kinds = {
-        "training episodes": [t for t in trajectories if not str(t.get("stage", "")).startswith("eval")],
-        "evaluation episodes": [t for t in trajectories if str(t.get("stage", "")).startswith("eval")],
-    }
+    panels = length_panels(trajectories)
+    colours = reason_colours(trajectories)
     turns = [int(t.get("turns", 0)) for t in trajectories] or [0]
     bins = [b - 0.5 for b in range(min(turns), max(turns) + 2)]  # one bar per turn count
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharex=True)
-    for ax, (title, group) in zip(axes, kinds.items(), strict=True):
-        by_reason: dict[str, list[int]] = defaultdict(list)
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.5, 4.5), sharex=True, squeeze=False)
+    for ax, (title, group) in zip(axes[0], panels.items(), strict=True):
+        by_reason: dict[str, list[int]] = {reason: [] for reason in colours}
         for t in group:
             by_reason[t.get("termination") or "none"].append(int(t.get("turns", 0)))
-        if by_reason:
-            ax.hist(list(by_reason.values()), bins=bins, stacked=True, label=list(by_reason))
-            ax.legend(title="termination", fontsize=8, loc="best")
-        ax.set(xlabel="turns", ylabel="trajectories", title=f"{title} ({len(group)})")
-        ax.set_xticks(range(min(turns), max(turns) + 1))  # turns are whole numbers
+        if group:
+            ax.hist(
+                list(by_reason.values()),
+                bins=bins,
+                stacked=True,
+                color=[colours[r] for r in by_reason],
+                label=list(by_reason),
+            )
+        ax.set(xlabel="turns", title=f"{title} ({len(group)})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # turns are whole numbers
+    axes[0][0].set_ylabel("trajectories")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for colour in colours.values()]
+    fig.legend(handles, list(colours), title="termination", fontsize=8, loc="center right")  # beside the panels
     fig.suptitle("Trajectory length by termination reason")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))
     fig.savefig(out / "lengths.png", dpi=110)
     plt.close(fig)
 

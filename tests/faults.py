@@ -231,7 +231,7 @@ class SGLangFront:
         self._connections[task] = writer
         try:
             while (request := await _read_request(reader, 64 << 20)) is not None:
-                _, path, body = request
+                _, path, body, _ = request
                 status, payload = await self._route(path, json.loads(body) if body else {})
                 data = b"" if payload is None else json.dumps(payload).encode()
                 head = f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"

@@ -139,13 +139,13 @@ def test_without_a_terminal_progress_is_a_plain_line_at_a_steady_interval() -> N
     stream = io.StringIO()
     with LineProgress(0.05, stream=stream) as progress:
         bar = progress.add_task("grpo", total=10, completed=2, initial=2, unit="step")
-        progress.update(bar, advance=3, reward=0.5)
+        progress.update(bar, advance=3, reward=0.5, pass_rate=0.25)
         wait_for(lambda: stream.getvalue().count("\n") >= 2)  # written by the interval, not by the bar's end
     lines = stream.getvalue().splitlines()
     assert len(lines) >= 3
     line = lines[-1]
     assert re.fullmatch(
-        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d grpo: step 5/10, [\d.e+]+ step/min, ETA \d+s, last reward 0\.500", line
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d grpo: step 5/10, [\d.e+]+ step/min, ETA \d+s, reward 0\.500, pass 25%", line
     ), line
 
 

@@ -57,6 +57,11 @@ def pytest_image_context(folder: Path) -> None:
 
 @pytest.fixture
 def pytest_task(tmp_path: Path) -> Task:
+    return load_task(make_pytest_task(tmp_path))
+
+
+def make_pytest_task(tmp_path: Path) -> Path:
+    """A task folder: `calc.add` subtracts, tests run by pytest writing JUnit XML (F2P test_add)."""
     folder = tmp_path / "tasks" / "calc-add"
     (folder / "repo" / "tests").mkdir(parents=True)
     pytest_image_context(folder)
@@ -78,7 +83,7 @@ def pytest_task(tmp_path: Path) -> Task:
         "dockerfile": "environment/Dockerfile",
     }
     (folder / "task.json").write_text(json.dumps(spec))
-    return load_task(folder)
+    return folder
 
 
 async def grade_after(backend: SandboxBackend, task: Task, command: str | None, *, gold: bool = False) -> dict:

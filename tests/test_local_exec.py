@@ -43,8 +43,13 @@ async def test_a_commands_end_is_noticed_without_polling(
 
 
 def test_bwrap_without_its_tools_is_a_config_error_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bwrap sandboxes need util-linux's unshare and setpriv too; `auto` then falls back to none."""
+    """bwrap sandboxes need util-linux's unshare and setpriv too; `auto` refuses as well (never falls back to
+    no isolation): only an explicit `isolation: none` runs commands unisolated."""
     monkeypatch.setattr(local.shutil, "which", lambda tool: None if tool in ("unshare", "setpriv") else f"/bin/{tool}")
-    with pytest.raises(ConfigError, match=r"\(unshare, setpriv not found\): install them"):
-        LocalSandboxBackend(isolation="bwrap")
-    assert LocalSandboxBackend().isolation == "none"
+    for isolation in ("bwrap", "auto"):
+        with pytest.raises(ConfigError) as caught:
+            LocalSandboxBackend(isolation=isolation)
+        message = str(caught.value)
+        assert "(unshare, setpriv not found): install bubblewrap and util-linux" in message
+        assert "isolation: none" in message and "--sandbox-option isolation=none" in message
+    assert LocalSandboxBackend(isolation="none").isolation == "none"

@@ -60,7 +60,7 @@ def tagged(command: str, marker: str) -> str:
 
 
 def require_bwrap() -> None:
-    if LocalSandboxBackend().isolation != "bwrap":
+    if local._bwrap_problem() is not None:
         if os.environ.get("CI") == "true":
             pytest.fail("bubblewrap must work in CI (.ci/run installs it)")
         pytest.skip("bubblewrap is not installed or does not work here")

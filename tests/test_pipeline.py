@@ -76,6 +76,12 @@ def test_full_run_writes_events_checkpoints_and_a_report(tmp_path: Path) -> None
     assert state["stages_done"] == ["eval-base", "sft", "eval-sft", "grpo", "eval-grpo"] and state["grpo_step"] == 2
     assert (run / "checkpoints" / "latest").is_dir() and list((run / "tensorboard").iterdir())
     assert "held-out evaluation" in result.output
+    for stage, found in evals.items():  # each evaluation's pass@1 on the console as it ends
+        assert f"eval ({stage}): pass@1 {found['pass_at_1']:.1%}, pass@1 " in result.output
+    from transformers.utils import logging as transformers_logging
+
+    assert not transformers_logging.is_progress_bar_enabled()  # no third-party bars at loads and checkpoints
+    assert "it/s]" not in result.output and "it/s]" not in (run / "library.log").read_text()
     # no terminal: plain progress lines (stderr) instead of live bars
     assert "grpo: step 2/2" in result.output and "eval (grpo): episode 2/2" in result.output
     report = CliRunner().invoke(app, ["report", str(run), str(run)])

@@ -93,3 +93,20 @@ def test_reference_cluster_places_on_four_nodes_and_leaves_ray_start_settings_to
     assert not any(name.startswith("RAY_EXPERIMENTAL_NOSET_") for name in cluster.env)
     dockerfile = (REFERENCE.parent.parent.parent / "deploy" / "Dockerfile.rocm").read_text()
     assert "ENV RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES=1" in dockerfile
+
+
+def test_the_reference_token_settings_need_varlen_attention() -> None:
+    """A 64K-token trajectory fits one micro-batch; the trainer's dense-attention cap refuses 65,536 tokens on
+    a 288 GB MI355X (48 layers x 8 heads per TP4 rank of [s, s] scores: ~2 TB), and varlen passes it."""
+    from patchgym.backends.trainer.megatron_memory import check_dense_fits
+
+    config = load_run_config(REFERENCE)
+    options = config.trainer.options
+    assert options["attention"] == "varlen"
+    assert config.agent.max_tokens_per_trajectory <= options["micro_batch_tokens"] == 65536
+    heads = QWEN3_30B_A3B["num_attention_heads"] / options["tp"]
+    shape = dict(tokens=options["micro_batch_tokens"], heads=heads, layers=QWEN3_30B_A3B["num_hidden_layers"],
+                 act_bytes=2, device_bytes=288e9, device="an MI355X")  # fmt: skip
+    check_dense_fits(attention=options["attention"], **shape)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="attention: dense at micro_batch_tokens=65536 .* attention: varlen"):
+        check_dense_fits(attention="dense", **shape)  # type: ignore[arg-type]

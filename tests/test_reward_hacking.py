@@ -236,10 +236,12 @@ async def test_runner_tampering_is_flagged(backend: SandboxBackend, code: str) -
     assert (reward, reason(info)) == (0.0, "tamper_suspected")
 
 
-async def test_runner_tampering_beats_a_fresh_sandbox_without_the_tamper_check(backend: SandboxBackend) -> None:
-    """Control: the tamper check is what stops in-process tampering, not the fresh sandbox."""
+async def test_runner_tampering_without_the_tamper_check_is_held_by_the_verdict(backend: SandboxBackend) -> None:
+    """With the tamper check off, the verdict channel still holds: the patched runner passes the
+    must-fail canary (issue 27; before it, this attack scored 1)."""
     reward, info = await play(backend, [heredoc("roman/__init__.py", PATCH_UNITTEST, append=True)], tamper_policy="off")
-    assert (reward, reason(info)) == (1.0, "resolved")
+    assert (reward, reason(info)) == (0.0, "canary")
+    assert info["grade"]["details"]["verdict"]["canary"]["must_fail"] == ["passed"]
 
 
 async def test_a_chosen_skip_reason_is_not_an_expected_failure(backend: SandboxBackend) -> None:
@@ -268,7 +270,8 @@ async def test_a_sabotaged_report_is_a_zero_not_an_error(backend: SandboxBackend
         f"    {REPORT_SABOTAGE[kind]}\n"
     )
     reward, info = await play(backend, [heredoc("roman/__init__.py", code, append=True)], tamper_policy="off")
-    assert reward == 0.0 and reason(info) in ("report_unreadable", "no_report", "bad_exit_code")
+    # the verdict channel never reads the report: sabotaging it changes nothing (issue 27)
+    assert (reward, reason(info)) == (0.0, "tests_failed")
 
 
 async def test_the_answer_is_not_readable_from_the_sandbox(backend: SandboxBackend) -> None:

@@ -24,11 +24,11 @@ class TestSandboxConformance(SandboxConformance):
 
 
 async def test_bwrap_isolation_protects_the_host(tmp_path: Path, workspace: Path) -> None:
-    from patchgym.backends.sandbox.local import LocalSandboxBackend
+    from patchgym.backends.sandbox.local import LocalSandboxBackend, _bwrap_problem
 
-    backend = LocalSandboxBackend(isolation="auto", root_dir=tmp_path)
-    if backend.isolation != "bwrap":
+    if _bwrap_problem() is not None:
         pytest.skip("bubblewrap is not usable here")
+    backend = LocalSandboxBackend(isolation="auto", root_dir=tmp_path)
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     probe = f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2); print('connected')\""

@@ -243,7 +243,12 @@ def test_too_long_traces_are_skipped_or_truncated(tokenizer: Any) -> None:
         (
             json.dumps([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{}]}]),
             "openai",
-            ":2: message 1 makes tool calls",
+            ":2: message 1: a tool call needs",
+        ),
+        (
+            json.dumps([{"role": "user", "content": "x"}, {"role": "assistant", "function_call": {"name": "f"}}]),
+            "openai",
+            ":2: message 1 makes a legacy function_call",
         ),
         (json.dumps([{"role": "user", "content": [{"type": "image_url"}]}]), "openai", "part of type 'image_url'"),
         (json.dumps({"messages": 3}), "swe-smith", ':2: "messages" must be a list'),

@@ -346,3 +346,32 @@ def test_stub_modules_import_and_refuse_use(tmp_path: Any) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "InterpolationMode.BICUBIC" in out.stdout and "refused sgl_kernel.copy_all_layer_kv_cache_cpu" in out.stdout
+
+
+async def test_staged_weight_groups_are_joined_once_and_left_when_replaced(fake: FakeSGLang) -> None:
+    """The engine joins a staged sync's group at the first sync, reuses it at the next, and destroys
+    it (once) when a sync names other groups, or when it closes."""
+    from patchgym.backends.inference.sglang import StagedWeights, WeightGroup
+
+    engine = SGLangEngine(fake.url, max_context=64, ranks_per_engine=[1])
+    sent: list[str] = []
+
+    def staged(name: str) -> StagedWeights:
+        async def send() -> None:
+            sent.append(name)
+
+        group = WeightGroup(name, "127.0.0.1", 1234, [("w", "float32", [2])], [["w"]])
+        return StagedWeights([group], send)
+
+    for version, name in enumerate(["g1", "g1", "g2"], 1):
+        await engine.update_weights(staged(name), version=version)
+    await engine.aclose()
+    calls = [(path, body.get("group_name")) for path, body in fake.calls if "weights_update_group" in path]
+    assert calls == [
+        ("/init_weights_update_group", "g1"),
+        ("/destroy_weights_update_group", "g1"),
+        ("/init_weights_update_group", "g2"),
+        ("/destroy_weights_update_group", "g2"),
+    ]
+    assert sent == ["g1", "g1", "g2"]
+    assert sum(path == "/update_weights_from_distributed" for path, _ in fake.calls) == 3

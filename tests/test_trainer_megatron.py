@@ -125,6 +125,9 @@ def test_tp2_dp2_and_pp2_match_tp1_over_several_steps(runs: dict, tol: Tolerance
         assert_same_run(runs["tp1"], runs[name], name, tol)
     grpo = runs["tp2"]["grpo"][-1]
     assert {"clip_fraction", "logprob_gap", "is_ess", "entropy"} <= set(grpo)
+    # DP2 splits the SFT batch's samples by tokens, 102 and 99 (round robin over its micro-batches: 106 and 95)
+    assert runs["dp2"]["sft"][0]["dp_tokens_max_over_mean"] == pytest.approx(102 / 100.5)
+    assert runs["tp1"]["sft"][0]["dp_tokens_max_over_mean"] == 1.0
 
 
 def test_save_load_resumes_exactly(runs: dict) -> None:

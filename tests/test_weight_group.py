@@ -1,5 +1,7 @@
 """The trainer's end of the weight-update group: its join ends within its timeout, whichever
-member is missing, and broadcasts after a late join still get the whole timeout.
+member is missing, and broadcasts after a late join still get the whole timeout; its port is held
+from `bind()` on; closing waits for the broadcasts it enqueued; a stage leader keeps its group
+between syncs (`SyncGroup`).
 
 Each scenario runs in a process of its own (the rendezvous blocks in torch's C++ code, which no
 thread can interrupt), with the engine ranks as its children; `run_group` kills them all when it
@@ -113,7 +115,7 @@ def within_timeout(result: dict[str, Any]) -> None:
 @pytest.mark.usefixtures("train_extra")
 def test_join_gives_up_within_its_timeout_when_an_engine_never_comes() -> None:
     result = rendezvous(["absent"])
-    assert result["error"] and "not all 2 members reached its store" in result["error"], result
+    assert result["error"] and "not all 2 members joined" in result["error"], result
     within_timeout(result)
 
 
@@ -121,7 +123,7 @@ def test_join_gives_up_within_its_timeout_when_an_engine_never_comes() -> None:
 def test_join_gives_up_within_its_timeout_when_an_engine_stops_after_the_store() -> None:
     """Every engine reaches the store, one never joins the group: this waited a second whole timeout."""
     result = rendezvous(["gloo", "store-only"])
-    assert result["error"] and "every member reached its store" in result["error"], result
+    assert result["error"] and "not all 3 members joined" in result["error"], result
     within_timeout(result)
 
 
@@ -132,3 +134,91 @@ def test_a_late_join_leaves_broadcasts_the_whole_timeout() -> None:
     result = rendezvous(["gloo"], delay_s=0.6 * TIMEOUT_S)
     assert result["error"] is None, result
     assert result["received"] == ["[0.0, 1.0, 2.0, 3.0]"]
+
+
+def solo(name: str, port: int = 0) -> Any:
+    """A joined one-member group (gloo): the broadcaster's own work, no engine to wait for."""
+    from patchgym.backends.inference.weight_group import WeightBroadcaster
+
+    broadcaster = WeightBroadcaster("127.0.0.1", port, 1, "gloo", name, TIMEOUT_S)
+    broadcaster.join()
+    return broadcaster
+
+
+@pytest.mark.usefixtures("train_extra")
+def test_the_port_is_held_from_bind_until_close() -> None:
+    """No pick-then-release: the port `bind()` reports is bound by it, so no other process can take it."""
+    import socket
+
+    from patchgym.backends.inference.weight_group import WeightBroadcaster
+
+    broadcaster = WeightBroadcaster("127.0.0.1", 0, 2, "gloo", "held", TIMEOUT_S)
+    port = broadcaster.bind()
+    assert port > 0 and broadcaster.master_port == port and broadcaster.bind() == port
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    broadcaster.close()
+
+
+class SlowWork:
+    """A fake asynchronous broadcast (NCCL's enqueued work, which gloo cannot show): done after `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        import threading
+
+        self.done = threading.Event()
+        threading.Timer(delay_s, self.done.set).start()
+
+    def wait(self) -> bool:
+        return self.done.wait(60)
+
+
+@pytest.mark.usefixtures("train_extra")
+def test_close_waits_for_enqueued_broadcasts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch.distributed as dist
+
+    broadcaster = solo("async")
+    works: list[SlowWork] = []
+    destroyed_with: list[bool] = []
+    destroy = dist.destroy_process_group
+
+    def broadcast(tensor: Any, src: int, group: Any, async_op: bool = False) -> SlowWork:
+        assert async_op, "the sender must enqueue broadcasts, not block on each"
+        works.append(SlowWork(0.3))
+        return works[-1]
+
+    def destroy_process_group(group: Any = None) -> None:
+        destroyed_with.append(all(work.done.is_set() for work in works))
+        destroy(group)
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_process_group)
+    broadcaster.broadcast([torch.zeros(2), torch.ones(2)])
+    assert len(works) == 2 and not any(work.done.is_set() for work in works)  # returned before completion
+    broadcaster.close()
+    assert destroyed_with == [True]
+
+
+@pytest.mark.usefixtures("train_extra")
+def test_a_stage_leader_keeps_its_group_until_a_sync_names_another() -> None:
+    from patchgym.backends.trainer.megatron_sync import SyncGroup
+
+    held = SyncGroup()
+    settings = {
+        "master_address": "127.0.0.1",
+        "master_port": 0,
+        "world_size": 1,
+        "backend": "gloo",
+        "group_name": "stage0_g1",
+        "timeout_s": TIMEOUT_S,
+    }
+    first = held.open(settings)
+    first.join()
+    port = first.master_port
+    assert held.open(settings) is first and held.open({**settings, "master_port": port}) is first
+    assert first.joined  # reused as it is: no second rendezvous
+    second = held.open({**settings, "group_name": "stage0_g2"})
+    assert second is not first and not first.joined  # the old group was closed first
+    held.close()
+    assert not second.joined

@@ -19,6 +19,12 @@ differs where re-rendering would rewrite history:
 A template whose rendering of the earlier messages changes when a message is added cannot be
 extended by appending; `TokenChat` refuses it with `ChatTemplateError`.
 
+With `tools` (OpenAI-format function schemas) every rendering passes them to the template, as
+`apply_chat_template(..., tools=tools)` does; observations may then be `tool` messages, and
+`assistant_text` renders an assistant message with `tool_calls` as the text the template
+puts in its turn (for Qwen-style templates, `<tool_call>` JSON), so a recorded tool call is
+trained on in the model's own format.
+
 The tokenizer is any object with Hugging Face's `apply_chat_template(messages, tokenize=False,
 add_generation_prompt=...)`, `encode(text, add_special_tokens=False)` and `decode(ids)`; this
 module imports no ML library.
@@ -33,7 +39,7 @@ from typing import Any, Protocol
 from patchgym.core.errors import ConfigError
 from patchgym.core.inference import Generation
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]
 _PROBE = "patchgym-probe-7f3a"
 
 
@@ -76,19 +82,34 @@ class TokenChat:
     logprobs: list[float] = field(default_factory=list)
     turns: list[TurnSpan] = field(default_factory=list)
     prompt_length: int = 0
+    tools: list[dict[str, Any]] | None = None
 
     @classmethod
-    def start(cls, tokenizer: ChatTokenizer, messages: Sequence[Message]) -> TokenChat:
-        """The first prompt: the chat template applied to `messages`, with the generation prompt."""
+    def start(
+        cls, tokenizer: ChatTokenizer, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> TokenChat:
+        """The first prompt: the chat template applied to `messages` (and `tools`), with the generation prompt."""
         if not messages:
             raise ConfigError("a chat needs at least one message")
         head = [dict(m) for m in messages]
-        turn_end_id, after_turn_end = _turn_end(tokenizer, head)
-        chat = cls(tokenizer, head, turn_end_id, after_turn_end)
-        text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
+        tool_list = [dict(t) for t in tools] if tools else None
+        if tool_list is not None:
+            check_tool_template(tokenizer, head, tool_list)
+        turn_end_id, after_turn_end = _turn_end(tokenizer, head, tool_list)
+        chat = cls(tokenizer, head, turn_end_id, after_turn_end, tools=tool_list)
+        text = chat.render(head, add_generation_prompt=True)
         chat._append(tokenizer.encode(text, add_special_tokens=False), mask=0)
         chat.prompt_length = len(chat.token_ids)
         return chat
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> str:
+        """The template's text of `messages` (with this chat's tools)."""
+        return _render(self.tokenizer, messages, self.tools, add_generation_prompt)
+
+    def assistant_text(self, message: Mapping[str, Any]) -> str:
+        """What the template writes for assistant `message` inside its turn (e.g. `<tool_call>` JSON for its
+        `tool_calls`), without the turn end: the text a model emits to send this message."""
+        return assistant_text(self.tokenizer, message)
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -138,10 +159,8 @@ class TokenChat:
         if self.token_ids[-1] != self.turn_end_id:
             self._append([self.turn_end_id], mask=0)
         probe = [*self.head, {"role": "assistant", "content": _PROBE}]
-        before = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
-        after = self.tokenizer.apply_chat_template(
-            [*probe, *(dict(m) for m in messages)], tokenize=False, add_generation_prompt=True
-        )
+        before = self.render(probe, add_generation_prompt=False)
+        after = self.render([*probe, *(dict(m) for m in messages)], add_generation_prompt=True)
         if not after.startswith(before):
             raise ChatTemplateError(
                 "the chat template renders earlier messages differently once a message is added, so the "
@@ -170,11 +189,48 @@ def text_generation(tokenizer: ChatTokenizer, text: str, turn_end_id: int, weigh
     return Generation(tokens, [0.0] * len(tokens), "stop", weight_version)
 
 
-def _turn_end(tokenizer: ChatTokenizer, head: list[Message]) -> tuple[int, str]:
-    """The token that ends an assistant message, and the template text that follows it."""
-    text = tokenizer.apply_chat_template(
-        [*head, {"role": "assistant", "content": _PROBE}], tokenize=False, add_generation_prompt=False
+def _render(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool,
+) -> str:
+    extra = {"tools": list(tools)} if tools else {}
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
+
+
+def check_tool_template(
+    tokenizer: ChatTokenizer, head: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+) -> None:
+    """A `ChatTemplateError` unless the template shows `tools` to the model (renders their names)."""
+    with_tools = _render(tokenizer, head, tools, True)
+    names = [t.get("function", {}).get("name", "") for t in tools]
+    if with_tools == _render(tokenizer, head, None, True) or not all(name in with_tools for name in names):
+        raise ChatTemplateError(
+            "the model's chat template has no tool format (it does not render the tools it is given): "
+            "use env.actions: bash_blocks, or a model whose template supports tools"
+        )
+
+
+def assistant_text(tokenizer: ChatTokenizer, message: Mapping[str, Any]) -> str:
+    """The text of assistant `message` inside its turn as the template renders it, turn end excluded."""
+    head = [{"role": "user", "content": "patchgym-head"}]
+    turn_end_id, after_turn_end = _turn_end(tokenizer, head)
+    before = _render(tokenizer, head, None, True)
+    full = _render(tokenizer, [*head, dict(message)], None, False)
+    end = tokenizer.decode([turn_end_id], skip_special_tokens=False) + after_turn_end
+    if not full.startswith(before) or not full.endswith(end):
+        raise ChatTemplateError("the chat template does not render an assistant message as one turn after the prompt")
+    return full[len(before) : len(full) - len(end)]
+
+
+def _turn_end(
+    tokenizer: ChatTokenizer, head: list[Message], tools: Sequence[Mapping[str, Any]] | None = None
+) -> tuple[int, str]:
+    """The token that ends an assistant message, and the template text that follows it."""
+    text = _render(tokenizer, [*head, {"role": "assistant", "content": _PROBE}], tools, False)
     if text.count(_PROBE) != 1:
         raise ChatTemplateError("the chat template does not render assistant messages verbatim")
     tail = text[text.index(_PROBE) + len(_PROBE) :]

@@ -6,14 +6,16 @@ pristine tree from it and the agent's tree from the sandbox the agent used, comp
 on the host (`tree_diff`: no git of the agent's sandbox is involved), and copies the changed
 non-test files into the fresh sandbox, where the wrapped grader runs. No process, file outside
 the repository or shell state of the agent carries over. The diff is scanned by the tamper
-check (`tamper`) first; with `tamper_policy="zero"` a finding is reward 0. Before anything is
-copied out, both trees are measured in their sandboxes (`tree_limits`): an agent's tree beyond
-the pristine one by more than `max_diff_files` entries or `max_diff_bytes` bytes is reward 0
-with nothing downloaded. Grading as a whole is bounded by `grading_timeout_s` (`grading_timeout`).
+check (`tamper`: parsed code and parsed runner configuration) first; with
+`tamper_policy="zero"` a finding is reward 0. Before anything is copied out, both trees are
+measured in their sandboxes (`tree_limits`): an agent's tree beyond the pristine one by more than
+`max_diff_files` entries or `max_diff_bytes` bytes is reward 0 with nothing downloaded. Grading
+as a whole is bounded by `grading_timeout_s` (`grading_timeout`).
 
 "in_place" mode grades the agent's own sandbox, as the wrapped grader alone would: weaker (the
 agent may have changed the interpreter, its shell start-up files or left processes behind), kept
-for speed and for task formats with no repository diff. Graders whose verdict rests on the
+for speed and for task formats with no repository diff. Its diff still passes the tamper check
+(a fresh sandbox is started only to read the pristine tree). Graders whose verdict rests on the
 whole sandbox (`grades_container_state`, e.g. Harbor's) are always graded in place.
 
 No grading error stops a run: any exception other than an `InfraError` is reward 0 with the
@@ -42,7 +44,7 @@ from patchgym.core.grading import zero_grade
 from patchgym.core.sandbox import Sandbox, SandboxBackend
 from patchgym.core.tamper import tamper_findings
 from patchgym.core.tasks import Grade, Grader, Task, start_task_sandbox
-from patchgym.core.tree_diff import FileChange, TreeTooLarge, remove_tree, tree_changes
+from patchgym.core.tree_diff import FileChange, TreeTooLarge, remove_tree, tree_changes, tree_paths
 from patchgym.core.tree_limits import TreeLimitExceeded, check_tree, measure_tree
 
 GRADING_LABEL = {"role": "grading"}
@@ -86,7 +88,9 @@ class FreshSandboxGrader(Grader):
         mode = "in_place" if self.mode == "in_place" or self.inner.grades_container_state else "fresh"
         details: dict[str, Any] = {"mode": mode}
         try:
-            grading = self.inner.grade(sandbox) if mode == "in_place" else self._grade_fresh(sandbox, details)
+            grading = (
+                self._grade_in_place(sandbox, details) if mode == "in_place" else self._grade_fresh(sandbox, details)
+            )
             grade = await asyncio.wait_for(grading, self.grading_timeout_s)
         except TimeoutError:
             message = f"grading took longer than grading_timeout_s ({self.grading_timeout_s:g} s)"
@@ -103,6 +107,22 @@ class FreshSandboxGrader(Grader):
             grade = zero_grade("grading_error", message=f"{type(exc).__name__}: {exc}")
         details["total_s"] = round(time.perf_counter() - started, 3)
         return Grade(grade.reward, grade.resolved, grade.tests, {**grade.details, "grading": details})
+
+    def _in_place_grader(self) -> Grader:
+        """The inner grader, told this episode's tamper policy where it runs its own checks (Harbor's)."""
+        if dataclasses.is_dataclass(self.inner) and any(
+            f.name == "tamper_policy" for f in dataclasses.fields(self.inner)
+        ):
+            return dataclasses.replace(self.inner, tamper_policy=self.tamper_policy)  # type: ignore[type-var]
+        return self.inner
+
+    async def _grade_in_place(self, sandbox: Sandbox, details: dict[str, Any]) -> Grade:
+        """The wrapped grader on the agent's own sandbox, after the tamper check of its changes
+        against a fresh sandbox's pristine tree."""
+        if self.tamper_policy != "off" and not self.inner.grades_container_state:
+            async with await start_task_sandbox(self.backend, self._grading_task()) as fresh:
+                await self._changes(sandbox, fresh, details)
+        return await self._in_place_grader().grade(sandbox)
 
     async def _grade_fresh(self, agent_sandbox: Sandbox, details: dict[str, Any]) -> Grade:
         changes: list[FileChange] | None = None
@@ -151,6 +171,7 @@ class FreshSandboxGrader(Grader):
                 except TreeTooLarge as exc:  # grew after it was measured (a process left running)
                     message = f"{exc} (max_diff_bytes {self.max_diff_bytes})"
                     raise _Verdict(zero_grade("diff_too_large", message=message)) from None
+                pristine_paths = await asyncio.to_thread(tree_paths, pristine)
             finally:
                 await asyncio.to_thread(remove_tree, Path(scratch))
         size = sum(len(change.new or b"") for change in changes)
@@ -163,7 +184,7 @@ class FreshSandboxGrader(Grader):
             message = f"{len(changes)} files changed (max_diff_files {self.max_diff_files})"
             raise _Verdict(zero_grade("too_many_files", message=message))
         if self.tamper_policy != "off":
-            findings = [finding.as_dict() for finding in tamper_findings(changes)]
+            findings = [finding.as_dict() for finding in tamper_findings(changes, pristine=pristine_paths)]
             details["tamper"] = findings
             if findings and self.tamper_policy == "zero":
                 raise _Verdict(zero_grade("tamper_suspected", {"tamper": findings}, message=findings[0]["what"]))

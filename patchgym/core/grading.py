@@ -34,6 +34,7 @@ from patchgym.core.grading_shell import GradingRoom, GradingSetupError
 from patchgym.core.sandbox import ExecResult, Sandbox
 from patchgym.core.tasks import Grade, Grader, TestStatus
 from patchgym.core.test_reports import LOG_PARSERS, ReportError, parse_junit_xml
+from patchgym.core.verdict.session import recorder_mode, supervised_run
 
 UNITTEST_RUNNER = Path(__file__).with_name("unittest_junit.py")
 """Standalone script that runs a unittest suite and writes JUnit XML (see its docstring)."""
@@ -138,6 +139,12 @@ class TestCommandGrader(ShellGrader):
     `PROTECTED_FILE_NAMES` that the task ships. With `report_format` "pytest" or "unittest" the
     command's log is parsed instead (weaker: printed lines can forge it). `max_report_bytes`
     bounds the JUnit report.
+
+    With `verdict_channel` (the default) a command that can host the grader's recorder (the
+    bundled unittest runner, or pytest) runs under the supervisor of `patchgym.core.verdict`:
+    the statuses come from the records, the exit code and the report are not read, and
+    `canaries` adds a must-fail and a must-pass test beside the task's. Other commands keep the
+    report (or log) path.
     """
 
     __test__ = False  # not a pytest test class
@@ -152,6 +159,8 @@ class TestCommandGrader(ShellGrader):
     max_log_bytes: int = 2_000_000
     max_report_bytes: int = 20_000_000
     allowed_exit_codes: tuple[int, ...] = (0, 1)
+    verdict_channel: bool = True
+    canaries: bool = True
 
     def is_test_path(self, path: str) -> bool:
         parts = PurePosixPath(path).parts
@@ -161,6 +170,9 @@ class TestCommandGrader(ShellGrader):
     async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
         room = await GradingRoom.open(sandbox)
         await self._restore(room)
+        mode = recorder_mode(self.test_command) if self.verdict_channel else "plain"
+        if mode != "plain":
+            return await self._grade_supervised(room, mode, details)
         runner = (
             await room.write(UNITTEST_RUNNER.name, UNITTEST_RUNNER_SOURCE) if "{runner}" in self.test_command else ""
         )
@@ -186,6 +198,32 @@ class TestCommandGrader(ShellGrader):
         resolved, summary = resolve(tests, self.fail_to_pass, self.pass_to_pass)
         details.update(summary)
         return (1.0 if resolved else 0.0), tests
+
+    async def _grade_supervised(
+        self, room: GradingRoom, mode: Literal["pytest", "unittest"], details: dict[str, Any]
+    ) -> tuple[float, Mapping[str, TestStatus]]:
+        if not room.python:
+            raise GradeFailure("no_interpreter", f"python3 is not on the sandbox's PATH ({room.path})")
+        report = shlex.quote(f"{room.root}/report.xml")
+        run = await supervised_run(
+            room,
+            self.test_command,
+            mode=mode,
+            expected=(*self.fail_to_pass, *self.pass_to_pass),
+            timeout_s=self.timeout_s,
+            max_log_bytes=self.max_log_bytes,
+            canaries=self.canaries,
+            format_command=lambda recorder: self.test_command.format(
+                report=report, runner=shlex.quote(recorder), python=shlex.quote(room.python)
+            ),
+        )
+        details.update(exit_code=run.exit_code, test_duration_s=round(run.duration_s, 3), log_tail=run.log[-2000:])
+        details.update(run.details)
+        if run.failure:
+            raise GradeFailure(run.failure, run.message, tests=run.tests)
+        resolved, summary = resolve(run.tests, self.fail_to_pass, self.pass_to_pass)
+        details.update(summary)
+        return (1.0 if resolved else 0.0), run.tests
 
     async def _read_results(
         self, room: GradingRoom, result: ExecResult, report: str, details: dict[str, Any]

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_type_hints
 
 import pluggy
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from patchgym.core.errors import ConfigError, PluginError
+from patchgym.core.option_docs import option_descriptions
 
 PROJECT = "patchgym"
 ENTRY_POINT_GROUP = "patchgym"
@@ -327,18 +328,20 @@ def options_model_of(factory: Callable[..., Any], model_name: str) -> type[BaseM
         hints = get_type_hints(_target(factory))
     except Exception:  # unresolvable annotations: check names only
         hints = {}
+    described = option_descriptions(factory.load() if isinstance(factory, LazyFactory) else factory)
     fields: dict[str, Any] = {}
     extra: Literal["allow", "forbid"] = "forbid"
     for p in parameters:
         if p.kind is p.VAR_KEYWORD:
             extra = "allow"
         elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-            fields[p.name] = (hints.get(p.name, Any), ... if p.default is p.empty else p.default)
+            default = ... if p.default is p.empty else p.default
+            fields[p.name] = (hints.get(p.name, Any), Field(default, description=described.get(p.name) or None))
     config = ConfigDict(extra=extra, arbitrary_types_allowed=True, protected_namespaces=())
     try:
         return create_model(model_name, __config__=config, **fields)
     except Exception:  # an annotation pydantic cannot check: check names and required ones only
-        untyped = {k: (Any, default) for k, (_, default) in fields.items()}
+        untyped = {k: (Any, field) for k, (_, field) in fields.items()}
         return create_model(model_name, __config__=config, **untyped)
 
 

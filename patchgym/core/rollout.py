@@ -58,7 +58,11 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Mode = "fully_async"
+    mode: Mode = Field(
+        "fully_async",
+        description="sync: a batch starts after the last update; one_step_off: one version behind; fully_async: "
+        "groups keep running, up to max_staleness versions behind",
+    )
     concurrency: int = Field(64, gt=0, description="trajectories running at once")
     group_size: int = Field(8, gt=0, description="attempts per task (GRPO group)")
     batch_groups: int = Field(4, gt=0, description="groups per training step")
@@ -66,7 +70,11 @@ class RolloutConfig(BaseModel):
     oversample_groups: int = Field(0, ge=0, description="extra groups started per batch")
     max_infra_retries: int = Field(2, ge=0, description="retries of a member that hit an infra error")
     min_valid_members: int = Field(2, gt=0, description="a group with fewer valid members is dropped")
-    zero_variance: Literal["keep", "drop", "resample"] = "drop"
+    zero_variance: Literal["keep", "drop", "resample"] = Field(
+        "drop",
+        description="a group whose members all earn the same reward (no GRPO signal): train on it, drop it, or "
+        "drop it and try its task again later",
+    )
     max_discards_per_batch: int = Field(
         256, gt=0, description="unusable groups tolerated while assembling one batch before giving up"
     )
@@ -386,8 +394,15 @@ class RolloutManager:
             "staleness_max": max(self.version - g.start_version for g in groups),
             "tail_share_after_90pct": (end - t90) / (end - begin) if end > begin else 0.0,
             "terminations": dict(Counter(t.termination or "none" for t in trajectories)),
+            "grade_reasons": dict(Counter(_grade_reason(t.grade) for t in trajectories)),
+            "canary_failures": sum(_grade_reason(t.grade) == "canary" for t in trajectories),
             "limits": self.config.model_dump(),
         }
+
+
+def _grade_reason(grade: dict[str, Any] | None) -> str:
+    """Why an episode got its reward (`resolved`, `tests_failed`, `canary`, ...; `ungraded`)."""
+    return str(((grade or {}).get("details") or {}).get("reason", "ungraded"))
 
 
 def _outcomes(batch: Batch) -> dict[str, Any]:

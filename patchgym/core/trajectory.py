@@ -44,6 +44,11 @@ class Trajectory:
     engine_logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     """The policy version that sampled each token (-1 where no policy did)."""
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    """Earlier token chats of the episode, each a separate sample (`token_ids`, `loss_mask`, `engine_logprobs`,
+    `policy_versions`): an external scaffold that rewrote its history split the episode (see envs/recording.py)."""
+    recording: dict[str, Any] | None = None
+    """What the recording endpoint saw, for an external scaffold's episode (calls, splits, mismatches)."""
 
     @property
     def trainable(self) -> bool:

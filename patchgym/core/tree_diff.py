@@ -103,6 +103,11 @@ def tree_changes(
     return changes
 
 
+def tree_paths(root: Path) -> set[str]:
+    """Every file and symbolic link under `root`, as `tree_changes` sees them (relative POSIX paths)."""
+    return set(_entries(root))
+
+
 def remove_tree(folder: Path) -> None:
     """Delete a downloaded tree, even parts of it made read-only."""
 

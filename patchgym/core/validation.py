@@ -1,4 +1,5 @@
-"""Task validation: the gold patch (or oracle) must earn reward 1 and the empty patch reward 0."""
+"""Task validation: the gold patch (or oracle) must earn reward 1 and the empty patch reward 0,
+each graded as training grades it (`FreshSandboxGrader`: a fresh sandbox, the tamper check)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from patchgym.core.errors import InfraError
+from patchgym.core.fresh_grading import FreshSandboxGrader
 from patchgym.core.sandbox import ExecResult, Sandbox, SandboxBackend
 from patchgym.core.tasks import Grade, Task, start_task_sandbox
 
@@ -80,7 +82,8 @@ async def _grade_with(backend: SandboxBackend, task: Task, gold: bool) -> Grade:
             if not ran.ok:
                 state = "timed out" if ran.timed_out else f"exit {ran.exit_code}"
                 raise ValueError(f"oracle failed ({state}): {ran.output.strip()[-1000:]}")
-        return await task.grader.grade(sandbox)
+        # graded as training grades it: a fresh sandbox and the tamper check (gold must pass both)
+        return await FreshSandboxGrader(task.grader, backend, task).grade(sandbox)
 
 
 async def validate_task(backend: SandboxBackend, task: Task) -> TaskValidation:

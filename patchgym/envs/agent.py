@@ -1,6 +1,7 @@
 """The agent loop: one trajectory of a token-level policy in the SWE environment.
 
-observation → `TokenChat` (append-only tokens) → engine → assistant text → `env.step`, until
+observation → `TokenChat` (append-only tokens; with `env.actions: tool_calls` the tools are in the
+template and observations are `tool` messages) → engine → assistant text → `env.step`, until
 the agent submits, a cap ends the episode, or the infrastructure fails. The caps (settings):
 generated tokens per turn, tokens per trajectory, and the engine's own context cap; the
 environment adds its turn, wall-clock and format-error caps. The trajectory records every
@@ -14,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from patchgym.core.chat import ChatTokenizer, TokenChat
 from patchgym.core.errors import InfraError
@@ -29,10 +30,23 @@ class AgentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens_per_turn: int = Field(8192, gt=0)
-    max_tokens_per_trajectory: int = Field(65536, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens_per_turn: int = Field(8192, gt=0, description="tokens the policy may generate in one turn")
+    max_tokens_per_trajectory: int = Field(
+        65536, gt=0, description="tokens of a whole episode (prompt, turns, observations); the episode ends there"
+    )
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of rollouts (GRPO needs > 0)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest token set of this mass")
+    scaffold: str = Field(
+        "builtin",
+        description="who drives the episodes: patchgym's own loop, or an external scaffold calling the recording "
+        "endpoint (`mini-swe-agent`, or module:attr of a class; see docs/agents.md)",
+    )
+    scaffold_options: dict[str, Any] = Field(default_factory=dict, description="the external scaffold's options")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scaffold_by_name(cls, value: Any) -> Any:
+        return {"scaffold": value} if isinstance(value, str) else value  # `agent: mini-swe-agent`
 
 
 def _finalise(trajectory: Trajectory, chat: TokenChat | None) -> Trajectory:
@@ -64,7 +78,9 @@ async def run_agent(
     assert env.trajectory is not None
     if info["infra_error"]:
         return env.trajectory
-    chat = TokenChat.start(tokenizer, info["messages"])
+    tools = info.get("tools")
+    chat = TokenChat.start(tokenizer, info["messages"], tools=tools)
+    role = "tool" if tools else "user"  # with native tool calls, command output is the tool's result
     while True:
         room = min(config.max_tokens_per_trajectory, engine.max_context) - len(chat)
         if room <= 0:
@@ -100,7 +116,7 @@ async def run_agent(
         if generation.finish_reason == "context":
             await env.truncate("max_context")
             break
-        chat.add_observation([{"role": "user", "content": observation}])
+        chat.add_observation([{"role": role, "content": observation}])
     return _finalise(env.trajectory, chat)
 
 
@@ -118,6 +134,7 @@ def describe(trajectory: Trajectory) -> dict[str, Any]:
         "infra_error": trajectory.infra_error,
         "timings": dict(trajectory.timings),
         "policy_versions": sorted({v for v in trajectory.policy_versions if v >= 0}),
+        **({"recording": trajectory.recording} if trajectory.recording is not None else {}),
     }
 
 

@@ -1,5 +1,9 @@
 """The SWE environment: an agent fixes an issue with bash commands in a sandbox.
 
+The agent acts with one fenced ```bash block per message (`actions: bash_blocks`, the default)
+or one native tool call in its chat template's format (`actions: tool_calls`: bash, file view,
+create, str_replace and submit; see core/tools.py); `info["tools"]` carries the tools' schemas.
+
 `AsyncSWEEnv` is the core (Gymnasium's reset/step shapes, `async`); `SWEEnv` is the
 synchronous `gymnasium.Env` facade registered as "patchgym/SWE-v0". Observations and actions
 are the text of chat messages: `reset` returns the task prompt (the system prompt is in
@@ -23,7 +27,7 @@ from typing import Any, Literal, TypeVar
 import gymnasium as gym
 from gymnasium import spaces
 from gymnasium.utils import seeding
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from patchgym.core.actions import BashBlockParser, submitted_by_output
 from patchgym.core.config import validate
@@ -34,6 +38,7 @@ from patchgym.core.output import head_tail
 from patchgym.core.plugins import registry
 from patchgym.core.sandbox import ExecResult, Sandbox, SandboxBackend
 from patchgym.core.tasks import Task, TaskSet, start_task_sandbox
+from patchgym.core.tools import TOOL_NAMES, ToolCallParser, tool_schemas
 from patchgym.core.trajectory import Trajectory, Turn
 
 T = TypeVar("T")
@@ -54,6 +59,12 @@ tests. When you are done, submit with:
 ```bash
 echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT
 ```"""
+
+DEFAULT_TOOLS_SYSTEM_PROMPT = """\
+You are a software engineer working on a code repository. Fix the issue you are given by \
+calling the tools: one tool call per reply, after a short thought. Each bash command runs in a \
+fresh shell in the repository (cd does not persist). Do not edit the tests. When you are done, \
+call submit."""
 
 DEFAULT_INSTANCE_TEMPLATE = """\
 The repository is at {workdir}. Fix this issue:
@@ -76,6 +87,14 @@ class EnvConfig(BaseModel):
     max_output_bytes: int = Field(1_000_000, gt=0, description="bytes of stdout/stderr captured per command")
     observation_max_chars: int = Field(10_000, gt=0, description="command output shown to the agent (head + tail)")
     action_fence: str = Field("bash", description="language tag of the fenced command block")
+    actions: Literal["bash_blocks", "tool_calls"] = Field(
+        "bash_blocks",
+        description="how the agent acts: one fenced command block per message, or one native tool call in the "
+        "model's chat-template format (needs a template with tools)",
+    )
+    tools: list[str] = Field(
+        list(TOOL_NAMES), description=f"the tools offered with actions: tool_calls (of {', '.join(TOOL_NAMES)})"
+    )
     unsubmitted: Literal["graded", "zero"] = Field(
         "graded",
         description="an episode a cap ended before the agent submitted: its final state graded, or reward 0 ungraded",
@@ -100,11 +119,33 @@ class EnvConfig(BaseModel):
         10_000, gt=0, description="files the agent may change (entries its tree may add), checked the same way"
     )
     grading_timeout_s: float = Field(3600.0, gt=0, description="seconds grading one episode may take (then reward 0)")
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    instance_template: str = DEFAULT_INSTANCE_TEMPLATE
+    system_prompt: str | None = Field(
+        None, description="the system message (None: the default for the `actions` format)"
+    )
+    instance_template: str = Field(
+        DEFAULT_INSTANCE_TEMPLATE,
+        description="the first user message; {instruction} is the task's issue text, {workdir} the repository",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, value: list[str]) -> list[str]:
+        tool_schemas(value)
+        if "submit" not in value:
+            raise ValueError("tools must include submit (otherwise a tool-calling agent cannot end its episode)")
+        return value
 
     def limits(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"system_prompt", "instance_template", "action_fence"})
+        return self.model_dump(exclude={"system_prompt", "instance_template", "action_fence", "tools"})
+
+    def system_message(self) -> str:
+        if self.system_prompt is not None:
+            return self.system_prompt
+        return DEFAULT_TOOLS_SYSTEM_PROMPT if self.actions == "tool_calls" else DEFAULT_SYSTEM_PROMPT
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The schemas of the offered tools with `actions: tool_calls`, else None."""
+        return tool_schemas(self.tools) if self.actions == "tool_calls" else None
 
 
 def _resolve(kind: str, value: Any, options: Mapping[str, Any] | None) -> Any:
@@ -143,7 +184,11 @@ class AsyncSWEEnv:
         self.task_set: TaskSet = _resolve("task_set", task_set, task_set_options)
         self.backend: SandboxBackend = _resolve("sandbox", sandbox, sandbox_options)
         self._owns_backend = isinstance(sandbox, str)
-        self._parser = BashBlockParser(self.config.action_fence)
+        self._parser = (
+            ToolCallParser(self.config.tools)
+            if self.config.actions == "tool_calls"
+            else BashBlockParser(self.config.action_fence)
+        )
         self._task_ids = self.task_set.ids()
         self.np_random, _ = seeding.np_random()
         self.sandbox: Sandbox | None = None
@@ -175,11 +220,12 @@ class AsyncSWEEnv:
         workdir = self.sandbox.workdir if self.sandbox else self.task.sandbox.workdir
         prompt = self.config.instance_template.format(instruction=self.task.instruction, workdir=workdir)
         info = self._info()
-        info["system_prompt"] = self.config.system_prompt
+        info["system_prompt"] = self.config.system_message()
         info["messages"] = [
-            {"role": "system", "content": self.config.system_prompt},
+            {"role": "system", "content": info["system_prompt"]},
             {"role": "user", "content": prompt},
         ]
+        info["tools"] = self.config.tool_schemas()
         return prompt, info
 
     def _pick_task(self, choice: Task | str | None) -> Task:
@@ -209,12 +255,34 @@ class AsyncSWEEnv:
         if parsed.kind == "submit":
             self.trajectory.turns.append(Turn(action, "", "submit"))
             return await self._finish("", action, "submitted")
+        return await self._command(action, parsed.command, parsed.submit)
+
+    async def execute(self, command: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Run `command` as a turn (an external scaffold's action, already parsed by the scaffold), with the
+        caps and submission rule of `step`; returns what `step` returns."""
+        if self.trajectory is None or self._done:
+            raise RuntimeError("execute() needs a running episode")
+        return await self._command(command, command, False)
+
+    async def submit(self) -> tuple[float, dict[str, Any]]:
+        """End the episode as submitted (an external scaffold's own submission) and grade it."""
+        if self._done:
+            raise RuntimeError("the episode is already over")
+        assert self.trajectory is not None
+        self.trajectory.turns.append(Turn("", "", "submit"))
+        _, reward, _, _, info = await self._finish("", "", "submitted")
+        return reward, info
+
+    async def _command(
+        self, action: str, command: str, submit_after: bool
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        assert self.trajectory is not None
         remaining = self.config.max_wall_s - (time.perf_counter() - self._started)
         if remaining <= 0:
             self.trajectory.turns.append(Turn(action, "", "command"))  # every action taken has its turn
             return await self._finish("", action, "max_wall_time")
         try:
-            result = await self._exec(parsed.command, min(self.config.command_timeout_s, remaining))
+            result = await self._exec(command, min(self.config.command_timeout_s, remaining))
         except SandboxLostError as exc:
             self.trajectory.turns.append(Turn(action, "", "command"))
             if exc.from_inside:  # the agent's command may have ended its own sandbox: scored, not retried
@@ -226,7 +294,7 @@ class AsyncSWEEnv:
             self._end("infra_error", infra_error=exc)
             return await self._finish("", action, "infra_error")
         observation = render_command_result(result, self.config.observation_max_chars)
-        submit = parsed.submit or submitted_by_output(result.stdout)
+        submit = submit_after or submitted_by_output(result.stdout)
         self.trajectory.turns.append(
             Turn(
                 action,

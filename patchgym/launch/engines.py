@@ -307,6 +307,15 @@ def sglang_backend(
     for attached URLs; `router_options` are more `sglang_router.launch_router` flags by name
     (for cache_aware, `CACHE_AWARE_BALANCE` unless given); `client` holds `SGLangEngine`'s
     settings (max_context, concurrency, ...).
+
+    Args:
+        model: the policy's Hugging Face folder (the pipeline passes model.path); servers load it
+        urls: attach to running SGLang servers at these URLs (a list or comma-separated) instead of launching
+        launch: start a group of SGLang servers: engines, tp, gpus, mem_fraction_static, ... (see the Inference page)
+        router: the SGLang router's policy in front of a started group (cache_aware, round_robin, ...; none: balance
+            in the client)
+        router_options: more sglang_router flags by name; also takes SGLangEngine's settings (max_context,
+            concurrency, ...)
     """
     from patchgym.backends.inference.sglang import SGLangEngine
 

@@ -3,8 +3,11 @@
 `start_parts` waits for every part that has servers to come up. `watched` runs the run's body
 while polling each part's `fatal()` (a process it started has died in a way the run cannot
 survive: a trainer rank, the router, every engine): the body is cancelled and the run stops with
-`ProcessDiedError` within about `poll_s`, wherever it was blocked. `close_parts` closes every
-part even when some fail to close, so no process is left behind.
+`ProcessDiedError` within about `poll_s`, wherever it was blocked. When the body fails first (a
+collective whose peer died), the parts get `settle_s` (their longest `settle_s` attribute, at
+least `DEFAULT_SETTLE_S`) to report the death, so the error names the dead process, whichever
+part noticed first. `close_parts` closes every part even when some fail to close, so no process
+is left behind.
 """
 
 from __future__ import annotations
@@ -30,13 +33,36 @@ def _fatal(parts: Sequence[Any]) -> str | None:
     return None
 
 
-async def _settled_fatal(parts: Sequence[Any], wait_s: float = 2.0) -> str | None:
-    """`_fatal`, giving a process that is going down (its peer saw the socket close) a moment to exit."""
+DEFAULT_SETTLE_S = 2.0
+"""How long a part that has no `settle_s` of its own may take to report a death after the body failed."""
+
+
+def settle_time(parts: Sequence[Any]) -> float:
+    """The longest time any part needs to tell that one of its processes died (`settle_s`)."""
+    return max([DEFAULT_SETTLE_S, *(float(getattr(part, "settle_s", 0.0)) for part in parts)])
+
+
+async def _settled_fatal(parts: Sequence[Any], wait_s: float) -> str | None:
+    """`_fatal`, giving a process that is going down (its peer saw the socket close) `wait_s` to be seen as dead."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while (found := _fatal(parts)) is None and loop.time() < deadline:
         await asyncio.sleep(0.1)
     return found
+
+
+async def _absorb_cancel(task: asyncio.Task) -> None:
+    """Take back the watcher's cancellation of `task` when the block failed before it arrived, so
+    that it cannot interrupt the run's clean-up later."""
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(0)  # a pending cancellation is delivered here
+    task.uncancel()
+
+
+async def _stopped(watcher: asyncio.Task) -> None:
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
 
 
 @contextlib.asynccontextmanager
@@ -65,14 +91,15 @@ async def watched(parts: Sequence[Any], poll_s: float = 1.0) -> AsyncIterator[No
         raise ProcessDiedError(f"the run stopped: {problem[0]}") from None
     except Exception as exc:
         # e.g. a collective that failed because its peer died: name the dead process instead
-        found = problem[0] if problem else await _settled_fatal(parts)
+        watcher.cancel()  # from here on only this branch looks, so the watcher cannot cancel it
+        if problem:
+            await _absorb_cancel(task)
+        found = problem[0] if problem else await _settled_fatal(parts, settle_time(parts))
         if found:
             raise ProcessDiedError(f"the run stopped: {found}") from exc
         raise
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        await _stopped(watcher)
     if problem:  # the cancellation landed where the block swallowed it
         raise ProcessDiedError(f"the run stopped: {problem[0]}")
 

@@ -8,8 +8,9 @@ the trainer's settings (`TrainerMemorySettings`), and on an engine's launch sett
   ranks of each parameter with the distributed optimizer: dense over dp, experts over expert dp;
   on the host with `optimizer_cpu_offload`), activations of one micro-batch of `micro_batch_tokens`
   (per layer: the saved inputs, Q/K/V and context, each routed token's expert activations, and
-  the attention's own: the [s, s] scores per head with `attention: dense`, linear in tokens with
-  `varlen`; `recompute` keeps less; the first pipeline stage holds pp micro-batches in flight),
+  the attention's own: the [s, s] scores per head with `attention: dense`, plus one layer's backward
+  over them, linear in tokens with `varlen`; `recompute` keeps less; the first pipeline stage holds pp
+  micro-batches in flight),
   the logits of the loss (fp32 copies for the log-probs and the entropy), the weight-sync buffers
   (three buckets of `sync_bucket_bytes`), and a fixed allowance for the runtime (CUDA/HIP context,
   NCCL buffers).
@@ -25,14 +26,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
+from patchgym.backends.trainer.megatron_memory import (
+    DENSE_BACKWARD_BYTES,
+    Attention,
+    Recompute,
+    dense_mask_bytes,
+    dense_scores_bytes,
+)
 from patchgym.backends.trainer.parallel import MegatronLayout, ModelShape
 from patchgym.core.errors import ConfigError
 
 GB = 1e9
-Attention = Literal["varlen", "dense"]
-Recompute = Literal["none", "selective", "full"]
 RUNTIME_BYTES = 4 * GB
 """Allowance per GPU process for the CUDA/HIP context, NCCL/RCCL buffers and the allocator's slack."""
 SYNC_BUCKETS_HELD = 3
@@ -214,18 +220,20 @@ def _activations(dims: ModelDims, layout: MegatronLayout, settings: TrainerMemor
         saved += local * dims.topk * (2 * h + 3 * s.expert_ffn / layout.etp) * b + local * s.experts * 8
     else:
         saved += 3 * dims.ffn * b * tokens / t
-    if settings.attention == "dense":  # fp32 softmax and its output for the [s, s] scores of each head
-        scores = s.heads / t * tokens * tokens * (4 + b if b == 2 else 4)
-    else:  # flash/varlen keeps one fp32 log-sum-exp per head and token
-        scores = s.heads / t * tokens * 4
-    mask = tokens * tokens if settings.attention == "dense" else 0.0  # one [s, s] bool mask per micro-batch
+    # dense: the fp32 softmax and its output for the [s, s] scores of each head, one layer's backward over them
+    # (megatron_memory.DENSE_BACKWARD_BYTES, fitted to measurement), and one [s, s] bool mask per micro-batch;
+    # flash/varlen keeps one fp32 log-sum-exp per head and token
+    dense = settings.attention == "dense"
+    scores = dense_scores_bytes(s.heads / t, tokens, b) if dense else s.heads / t * tokens * 4
+    backward = DENSE_BACKWARD_BYTES * s.heads / t * tokens * tokens if dense else 0.0
+    masks = dense_mask_bytes(tokens) * (layout.pp - stage) if dense else 0.0
     held = (s.layers // layout.pp) * (layout.pp - stage)
     per_layer = saved + scores
     if settings.recompute == "full":  # each layer keeps its input; one layer is rebuilt at a time
-        return held * h * b * local + per_layer + mask * (layout.pp - stage)
+        return held * h * b * local + per_layer + backward + masks
     if settings.recompute == "selective":  # the attention's own part is rebuilt, one layer at a time
-        return held * saved + scores + mask * (layout.pp - stage)
-    return held * per_layer + mask * (layout.pp - stage)
+        return held * saved + scores + backward + masks
+    return held * per_layer + backward + masks
 
 
 def engine_memory(

@@ -228,6 +228,13 @@ def megatron_backend(model: str | Path, *, tp: int = 1, pp: int = 1, dp: int | N
 
     `options` are `MegatronTrainer`'s (lr, micro_batch_tokens, ep, etp, timeout_s: the collective
     timeout that bounds how long a hung rank can stall the others, ...).
+
+    Args:
+        model: the policy's Hugging Face folder (the pipeline passes model.path); converted to Megatron on load
+        tp: tensor-parallel size
+        pp: pipeline-parallel size
+        dp: data-parallel size (null: the ranks left over); also takes MegatronTrainer's options (lr,
+            micro_batch_tokens, ep, etp, timeout_s, ...)
     """
     from patchgym.backends.trainer.megatron import MegatronTrainer
 

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class PlacedRole:
         self.unreachable_s = settings.unreachable_s
         self.check_s = settings.check_timeout_s
         self.stopping = False
+        self._asking = threading.Lock()  # one thread at a time asks the members
 
     @property
     def children(self) -> list[Member]:
@@ -151,9 +153,19 @@ class PlacedRole:
 
     def dead(self, *, wait_s: float = 0.0, strict: bool = False) -> list[Member]:
         """Members whose process or node is gone (none once the role is being stopped): each live
-        member is asked once more, and its answer read if it comes within `wait_s`."""
+        member is asked once more, and its answer read if it comes within `wait_s`. A quick look
+        (`wait_s` 0) while another thread waits for answers returns what is known so far."""
         if self.stopping:
             return []
+        if not self._asking.acquire(blocking=wait_s > 0):
+            return [m for m in self.members if m.death is not None]
+        try:
+            self._ask(wait_s, strict)
+        finally:
+            self._asking.release()
+        return [m for m in self.members if m.death is not None]
+
+    def _ask(self, wait_s: float, strict: bool) -> None:
         live = [m for m in self.members if m.death is None]
         for member in live:
             if member.poll_ref is None:
@@ -167,7 +179,6 @@ class PlacedRole:
             alive_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
             for member in live:
                 self._verdict(member, alive_nodes, strict)
-        return [m for m in self.members if m.death is not None]
 
     def check(self) -> None:
         """After a failed call or before one that needs every member (the weight sync): a fresh answer

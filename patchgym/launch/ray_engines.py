@@ -91,6 +91,11 @@ class RayEngineGroup:
     def children(self) -> list[Any]:
         return [*self.engines.members, *(self.router.children if self.router is not None else [])]
 
+    @property
+    def settle_s(self) -> float:
+        """How long an engine's death may take to show (the cluster's `check_timeout_s`)."""
+        return self.engines.check_s
+
     def dead(self) -> list[Any]:
         return [*self.engines.dead(), *(self.router.dead() if self.router is not None else [])]
 

@@ -37,7 +37,7 @@ from patchgym.launch.ray_cluster import (
 )
 
 SERVED = ("logprobs", "train_step", "set_lr", "reset_optimizer", "weights", "weight_stages")
-SERVED += ("broadcast_weights", "save", "load")
+SERVED += ("open_weight_groups", "broadcast_weights", "save", "load")
 """The trainer methods the driver may call on rank 0."""
 
 
@@ -137,14 +137,23 @@ class RayTrainer:
             await asyncio.wait([lead], timeout=1.0)
         self._settings = lead.result()
 
+    @property
+    def settle_s(self) -> float:
+        """How long a rank's death may take to show after a call failed (the cluster's `check_timeout_s`)."""
+        return self.ranks.check_s
+
     async def _guarded(self, ref: Any) -> Any:
-        """Await a call to rank 0; an actor that died is a `ProcessDiedError` naming the dead rank."""
+        """Await a call to rank 0. When it fails and a rank is gone (rank 0 itself, or a peer whose
+        death broke rank 0's collective first), the error is a `ProcessDiedError` naming that rank."""
         try:
             return await ref
-        except ray.exceptions.RayActorError as exc:
-            dead = self.ranks.dead(wait_s=self.ranks.check_s, strict=True)
-            who = dead[0].describe() if dead else f"{self.rank0.describe()}: {exc}"
-            raise ProcessDiedError(f"a trainer rank is gone: {who}") from None
+        except ray.exceptions.RayError as exc:
+            dead = await asyncio.to_thread(self.ranks.dead, wait_s=self.ranks.check_s, strict=True)
+            if dead:
+                raise ProcessDiedError(f"a trainer rank is gone: {dead[0].describe()}") from exc
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise ProcessDiedError(f"a trainer rank is gone: {self.rank0.describe()}: {exc}") from None
+            raise
 
     async def _call(self, method: str, *args: Any) -> Any:
         return await self._guarded(self.rank0.actor.call.remote(method, *args))
@@ -170,8 +179,11 @@ class RayTrainer:
             self._stages = await self._call("weight_stages")
         return self._stages
 
-    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
-        await self._call("broadcast_weights", groups, buckets)
+    async def open_weight_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return await self._call("open_weight_groups", groups)
+
+    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> Any:
+        return await self._call("broadcast_weights", groups, buckets)
 
     async def weight_group_endpoint(self, stage: int) -> tuple[str, int]:
         """Where pipeline stage `stage`'s weight group meets: its leader rank's node, a port free there."""
@@ -183,6 +195,9 @@ class RayTrainer:
 
     async def load(self, directory: Path) -> None:
         await self._call("load", Path(directory))
+
+    async def export(self, directory: Path) -> Path:
+        return await self._call("export", Path(directory))
 
     def settings(self) -> dict[str, Any]:
         ranks = [{"rank": r, "address": m.address, "node_id": m.node_id} for r, m in enumerate(self.ranks.members)]

@@ -5,14 +5,19 @@ memory for SGLang on this host), `distributed` (trainer rank 0 broadcasts over a
 that holds every engine rank, in buckets: `DistributedWeights`), `disk` (an HF export under
 `RUN_DIR/weights/`, loaded by every engine) or `auto`: distributed when the engines are other
 processes, tensor otherwise. Each sync pauses generation, sends version-tagged weights and
-resumes; it reports seconds, bytes and the version every engine then holds. With `verify`
+resumes; it reports seconds, bytes and the version every engine then holds.
+
+A Megatron trainer's distributed sync is staged and streamed (`megatron_sync`): one group per
+pipeline stage, hosted by the stage's leader rank, which binds its port itself (held until the
+group forms) and streams buckets of at most the trainer's `sync_bucket_bytes` (and the engine's
+`weight_bucket_bytes`). The groups form at the first sync and are reused by every later one; they
+are formed anew (a new name) when the engines' membership changes or after a sync failed. With `verify`
 the engines' log-probs of a fixed probe sequence are compared with the trainer's after each
 sync: a gap over `tolerance` stops the run.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import shutil
 import time
@@ -52,6 +57,12 @@ class SyncReport:
     """Max |trainer - engine| log-prob over the probe's tokens and every engine (with `verify`)."""
     masters: list[str] | None = None
     """Distributed: where each group met ("address:port" of the trainer rank hosting it)."""
+    bucket_bytes: int | None = None
+    """Distributed: the most bytes one bucket may carry (the cut the sync asked for)."""
+    groups_formed: bool | None = None
+    """Staged: whether this sync formed its groups (the first, or after a change) or reused them."""
+    senders: list[dict[str, Any]] | None = None
+    """Staged: each stage leader's measurements (`SyncStats`: buckets, extra peak bytes, seconds)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +115,11 @@ class WeightSync:
         self.tolerance = tolerance
         self.probe = list(probe)
         self.timeout_s = timeout_s
+        self._groups: list[dict[str, Any]] | None = None
+        """Staged: the groups' settings the trainer holds, reused while `_members` stays the same."""
+        self._members: Any = None
+        self._generation = 0
+        self._last: dict[str, Any] = {}
         if verify and (len(self.probe) < 2 or not hasattr(engine, "prompt_logprobs")):
             raise ConfigError(
                 "verify_sync needs an engine that scores prompts (sglang) and a probe of at least 2 tokens"
@@ -117,10 +133,14 @@ class WeightSync:
         check = getattr(self.engine, "check_engines", None)
         if check is not None:
             check()  # a dead engine cannot take the weights: say which one, not a connection error
+        self._last = {}
         weights, size = await self._payload(version)
         await self.engine.pause()
         try:
             await self.engine.update_weights(weights, version=version)
+        except BaseException:
+            self._groups = None  # whatever broke, the next sync forms new groups
+            raise
         finally:
             await self.engine.resume()
         seconds = time.perf_counter() - started
@@ -135,7 +155,7 @@ class WeightSync:
                 "hold the trained weights"
             )
         groups = len(weights.groups) if hasattr(weights, "groups") else int(self.mode == "distributed")
-        return SyncReport(version, self.mode, seconds, size, groups, versions, gap, _masters(weights))
+        return SyncReport(version, self.mode, seconds, size, groups, versions, gap, _masters(weights), **self._last)
 
     async def _payload(self, version: int) -> tuple[Any, int]:
         """What `update_weights` takes for this mode, and its size in bytes."""
@@ -155,35 +175,69 @@ class WeightSync:
             return state, size
         from patchgym.backends.inference.sglang import DistributedWeights
 
-        return DistributedWeights(state, master_port=free_port(), timeout_s=self.timeout_s), size
+        self._last = {"bucket_bytes": self.engine.weight_bucket_bytes}
+        # port 0: the engine's broadcaster binds a free one and holds it until the group forms
+        return DistributedWeights(state, master_port=0, timeout_s=self.timeout_s), size
+
+    def bucket_bytes(self) -> int:
+        """The staged sync's bucket: the trainer's `sync_bucket_bytes` (its sender memory) and the
+        engine's `weight_bucket_bytes` (what one engine call carries), the smaller where both are set."""
+        sizes = [self.trainer.settings().get("sync_bucket_bytes"), getattr(self.engine, "weight_bucket_bytes", None)]
+        sizes = [size for size in sizes if size]
+        if not sizes:
+            raise ConfigError("a staged weight sync needs the trainer's sync_bucket_bytes or the engine's")
+        return min(sizes)
 
     async def _staged(self, version: int) -> tuple[Any, int]:
         """One group per trainer pipeline stage, hosted by that stage's sending rank (Megatron)."""
         from patchgym.backends.inference.sglang import StagedWeights, WeightGroup
         from patchgym.backends.inference.weight_group import split_buckets
 
-        backend = group_backend(self.trainer.settings())
-        world_size = sum(await self.engine.engine_ranks()) + 1
-        groups, settings, buckets, size = [], [], [], 0
-        for stage, tensors in enumerate(await self.trainer.weight_stages()):
+        stages = await self.trainer.weight_stages()
+        bucket_bytes = self.bucket_bytes()
+        formed = await self._form_groups(len(stages))
+        groups, buckets, size = [], [], 0
+        for settings, tensors in zip(self._groups or [], stages, strict=True):
             sizes = {name: _numel(shape) * _itemsize(dtype) for name, dtype, shape in tensors}
             size += sum(sizes.values())
-            cut = split_buckets(sizes, self.engine.weight_bucket_bytes)
-            name, (address, port) = f"patchgym_weights_v{version}_stage{stage}", await self._endpoint(stage)
+            cut = split_buckets(sizes, bucket_bytes)
+            address, port, name = settings["master_address"], settings["master_port"], settings["group_name"]
             groups.append(WeightGroup(name, address, port, tensors, cut))
-            settings.append(
+            buckets.append(cut)
+        self._last = {"bucket_bytes": bucket_bytes, "groups_formed": formed}
+
+        async def send() -> None:
+            self._last["senders"] = await self.trainer.broadcast_weights(self._groups, buckets)
+
+        return StagedWeights(groups, send, self._groups[0]["backend"]), size
+
+    async def _form_groups(self, stages: int) -> bool:
+        """Settings of each stage's group: those held while the membership is unchanged, else new ones
+        (a new name) bound by the trainer where it can (`open_weight_groups`). Whether it formed them."""
+        backend = group_backend(self.trainer.settings())
+        world_size = sum(await self.engine.engine_ranks()) + 1
+        members = (world_size, backend, stages, tuple(getattr(self.engine, "urls", ())))
+        if self._groups is not None and members == self._members:
+            return False
+        self._generation += 1
+        groups = []
+        for stage in range(stages):
+            address, port = await self._endpoint(stage)
+            groups.append(
                 {
                     "master_address": address,
                     "master_port": port,
                     "world_size": world_size,
                     "backend": backend,
-                    "group_name": name,
+                    "group_name": f"patchgym_weights_g{self._generation}_stage{stage}",
                     "timeout_s": self.timeout_s,
                 }
             )
-            buckets.append(cut)
-        send = functools.partial(self.trainer.broadcast_weights, settings, buckets)
-        return StagedWeights(groups, send, backend), size
+        opener = getattr(self.trainer, "open_weight_groups", None)
+        if opener is not None:  # the stage leaders bind the ports and hold them: no pick-then-release
+            groups = await opener([{**g, "master_port": 0} for g in groups])
+        self._groups, self._members = groups, members
+        return True
 
     async def _endpoint(self, stage: int) -> tuple[str, int]:
         """Where stage `stage`'s group meets: where the trainer says (its ranks on other nodes: the

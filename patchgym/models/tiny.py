@@ -24,12 +24,38 @@ SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
 BPE_VOCAB_SIZE = 1024
 
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- \'\\n</tools>\\nCall a tool with <tool_call>\\n{"name": <name>, "arguments": <args-json-object>}'
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{%- if loop.first and message['content'] %}{{- '\\n' }}{%- endif %}"
+    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+    '{{- \'<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
+    "{{- call.arguments if call.arguments is string else (call.arguments | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-"""Qwen's ChatML layout: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message."""
+"""Qwen's ChatML layout, `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, with Qwen's tool format:
+the tools (JSON schemas) in the system turn, an assistant's calls as `<tool_call>` JSON, tool results
+as `<tool_response>` blocks in a user turn. Without tools it renders plain ChatML."""
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "hidden_size": 64,

@@ -22,14 +22,18 @@ class _Strict(BaseModel):
 class Component(_Strict):
     """A registered part by name, with the options its factory takes."""
 
-    name: str
-    options: dict[str, Any] = {}
+    name: str = Field(description="the registered name (`patchgym plugins` lists them) or module:attr")
+    options: dict[str, Any] = Field({}, description="the part's options (listed below for the built-in parts)")
 
 
 class ModelConfig(_Strict):
     """The policy: an HF-format folder, or a tiny random model created in the run directory."""
 
-    path: str | None = None
+    path: str | None = Field(
+        None,
+        description="the policy: a Hugging Face model folder, or a Hub id (e.g. Qwen/Qwen3-0.6B) downloaded "
+        "into the Hugging Face cache at the start of the run; the same for every backend",
+    )
     init_tiny: dict[str, Any] | None = Field(None, description="Qwen3Config overrides for a new tiny model")
     hf_config: dict[str, Any] | None = Field(
         None,
@@ -40,16 +44,20 @@ class ModelConfig(_Strict):
 
 
 class TasksConfig(_Strict):
-    train: Component
-    eval: Component
+    """The task sets: one to train on (SFT oracle replays, GRPO) and one held out for evaluation."""
+
+    train: Component = Field(description="the task set trained on")
+    eval: Component = Field(description="the held-out task set of every evaluation")
 
 
 class TraceSource(_Strict):
     """Where SFT traces come from: the oracle (each train task's solution replayed through the env)
     or a trace file, JSONL file or directory of trajectory files (see patchgym.pipeline.traces)."""
 
-    format: Literal["oracle", TraceFormat] = "auto"
-    path: str | None = None
+    format: Literal["oracle", TraceFormat] = Field(
+        "auto", description="oracle, or the file format (auto: told apart by the records)"
+    )
+    path: str | None = Field(None, description="a trace file or a folder of them (not for the oracle)")
     exit_statuses: list[str] | None = Field(
         ["Submitted"], description="mini-swe-agent trajectories kept by info.exit_status (null: all)"
     )
@@ -65,8 +73,10 @@ class TraceSource(_Strict):
 
 
 class SFTConfig(_Strict):
-    enabled: bool = True
-    epochs: int = Field(1, ge=1)
+    """Supervised fine-tuning on traces, between the base and the SFT evaluation."""
+
+    enabled: bool = Field(True, description="run the SFT stage and the evaluation after it")
+    epochs: int = Field(1, ge=1, description="passes over the traces")
     batch_size: int = Field(16, ge=1, description="traces per optimiser step")
     lr: float | None = Field(None, gt=0, description="peak learning rate of this stage (None: the trainer's lr)")
     traces: list[TraceSource] = Field(
@@ -93,39 +103,57 @@ class SFTConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float | None = 2.0
-    normalize_std: bool = True
+    """The GRPO loss: a clipped policy-gradient objective with truncated importance sampling."""
+
+    clip_low: float = Field(0.2, description="the ratio's lower clip is 1 - clip_low")
+    clip_high: float = Field(0.28, description="the ratio's upper clip is 1 + clip_high (above clip_low: clip-higher)")
+    tis_cap: float | None = Field(
+        2.0, description="cap of the trainer/engine probability ratio that reweights stale samples (null: off)"
+    )
+    normalize_std: bool = Field(True, description="divide group advantages by the group's reward std")
 
 
 class GRPOConfig(_Strict):
-    enabled: bool = True
-    steps: int = Field(10, ge=0)
+    """GRPO on the policy's own rollouts, between the SFT and the final evaluation."""
+
+    enabled: bool = Field(True, description="run the GRPO stage and the evaluation after it")
+    steps: int = Field(10, ge=0, description="optimiser steps, each on batch_groups groups of group_size episodes")
     reset_optimizer: bool = Field(
         True, description="start GRPO with fresh optimiser moments and warm-up (SFT's would distort its steps)"
     )
     lr: float | None = Field(None, gt=0, description="peak learning rate of this stage (None: the trainer's lr)")
-    rollout: RolloutConfig = RolloutConfig()
+    rollout: RolloutConfig = Field(RolloutConfig(), description="how GRPO groups are sampled and batched")
+    zero_reward_warn_steps: int | None = Field(
+        10,
+        ge=1,
+        description="warn (console and a warning event) when every episode earned 0 for this many steps in a row, "
+        "with likely causes (null: never)",
+    )
     loss: LossConfig = LossConfig()
 
 
 class EvalConfig(_Strict):
+    """The held-out evaluations (base, after SFT, after GRPO): pass@1 and pass@k."""
+
     attempts: int = Field(4, ge=1, description="episodes per task: pass@1 is averaged over them")
-    temperature: float = Field(1.0, ge=0)
-    concurrency: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of evaluation episodes (0: greedy)")
+    concurrency: int = Field(16, ge=1, description="evaluation episodes (and their sandboxes) at once")
     limit: int | None = Field(None, ge=1, description="only the first N eval tasks")
 
 
 class MetricsConfig(_Strict):
-    tensorboard: bool = False
-    wandb_project: str | None = None
-    wandb_mode: str | None = None
+    """Where metrics go besides RUN_DIR/events.jsonl: TensorBoard and Weights & Biases."""
+
+    tensorboard: bool = Field(False, description="write TensorBoard scalars to RUN_DIR/tensorboard")
+    wandb_project: str | None = Field(
+        None, description="log to this Weights & Biases project (needs the wandb extra; null: off)"
+    )
+    wandb_mode: str | None = Field(None, description="wandb's mode: online, offline or disabled (null: wandb's own)")
 
 
 class RunConfig(_Strict):
-    run_dir: str = "runs/patchgym"
-    seed: int = 0
+    run_dir: str = Field("runs/patchgym", description="where events, checkpoints and plots go (--resume takes it)")
+    seed: int = Field(0, description="seeds the tiny model, the task order, SFT shuffling and sampling")
     model: ModelConfig = ModelConfig()
     tasks: TasksConfig
     sandbox: Component = Component(name="local")
@@ -136,7 +164,13 @@ class RunConfig(_Strict):
     sft: SFTConfig = SFTConfig()
     grpo: GRPOConfig = GRPOConfig()
     eval: EvalConfig = EvalConfig()
-    checkpoint_every: int = Field(5, ge=1, description="GRPO steps between checkpoints")
+    checkpoint_every: int = Field(5, ge=1, description="GRPO steps between (resumable) checkpoints")
+    export_every: int | None = Field(
+        None,
+        ge=1,
+        description="GRPO steps between Hugging Face exports of the policy (RUN_DIR/exports/grpo-step-N); "
+        "none: only at the end of SFT and of GRPO",
+    )
     progress_interval_s: float = Field(
         30.0, gt=0, description="seconds between progress lines when the output is not a terminal (a log file)"
     )

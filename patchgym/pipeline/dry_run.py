@@ -48,8 +48,9 @@ from patchgym.launch.memory import (
 from patchgym.launch.placement import Slot, place_roles
 from patchgym.launch.plan import LOCAL, LaunchPlan, LocalPlacer, Placer, PlannedPorts, ProcessPlan, Where, spans
 from patchgym.launch.ranks import RanksPlan, loopback_env, megatron_backend, plan_ranks, rank_process, torchrun_world
+from patchgym.pipeline.checks import check_files, check_parts, model_dir
 from patchgym.pipeline.config import RunConfig
-from patchgym.pipeline.run import check_files, check_parts, model_dir
+from patchgym.pipeline.model_source import is_hub_id
 
 
 def _factory(kind: Kind, name: str) -> Callable[..., Any]:
@@ -130,6 +131,11 @@ def plan_run(config: RunConfig, command: Sequence[str], placer: Placer | None = 
     except ConfigError as exc:
         notes.append(f"{exc} here: the run would stop on it")
     model = model_dir(config)
+    if config.model.path is not None and is_hub_id(config.model.path):
+        notes.append(
+            f"model.path {config.model.path!r} is a Hub id: the run downloads it into the Hugging Face cache when "
+            "it starts, and every part loads that folder (the dry run downloads nothing)"
+        )
     if config.model.path is None:
         notes.append(f"the model is created when the run starts, in {model} (model.init_tiny)")
     dims = _model_dims(model, config, notes)

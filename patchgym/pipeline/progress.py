@@ -3,8 +3,9 @@
 Without a terminal (nohup, Slurm, CI) a live bar writes nothing useful, so `stage_progress`
 returns a `LineProgress` instead: every `interval_s` (and once when a bar ends) it writes one line
 per bar to the console's stderr (`patchgym.logs.console_stderr`: not the library log), e.g.
-`2026-12-01 05:02:11 grpo: step 12/120, 1.4 step/min, ETA 77m, last reward 0.531`.
-Bars take the same calls either way (`add_task`, `advance`, `update(..., reward=r)`).
+`2026-12-01 05:02:11 grpo: step 12/120, 1.4 step/min, ETA 77m, reward 0.531, pass 41%`. On a terminal
+the bar shows the same: done/total, elapsed, ETA, reward mean and pass rate. Bars take the same
+calls either way (`add_task`, `advance`, `update(..., reward=r, pass_rate=p)`).
 """
 
 from __future__ import annotations
@@ -14,15 +15,32 @@ import time
 from typing import TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, Task, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from patchgym.logs import console_stderr
+from patchgym.pipeline.feedback import StatsColumn, stats_text
 
 
 def stage_progress(console: Console, interval_s: float) -> Progress:
     """A live bar display on a terminal, else a `LineProgress` to stderr."""
     if console.is_terminal:
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            StatsColumn(),
+        )
         return Progress(*columns, console=console, transient=True)
     return LineProgress(interval_s)
 
@@ -34,7 +52,7 @@ def _duration(seconds: float) -> str:
 
 
 def progress_line(task: Task, now: float) -> str:
-    """One line for a bar: what, how far, how fast, how long to go, the last reward."""
+    """One line for a bar: what, how far, how fast, how long to go, reward mean and pass rate."""
     unit = task.fields.get("unit", "")
     done = f"{unit} {task.completed:.0f}".lstrip() + (f"/{task.total:.0f}" if task.total is not None else "")
     parts = [f"{task.description}: {done}"]
@@ -48,8 +66,8 @@ def progress_line(task: Task, now: float) -> str:
             parts.append(f"ETA {_duration((task.total - task.completed) / rate)}")
     else:
         parts.append(f"{_duration(elapsed)} elapsed")
-    if task.fields.get("reward") is not None:
-        parts.append(f"last reward {task.fields['reward']:.3f}")
+    if stats := stats_text(task.fields):
+        parts.append(stats)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
     return f"{stamp} {', '.join(parts)}"
 

@@ -18,6 +18,7 @@ before anything is written.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import shutil
@@ -30,8 +31,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from patchgym.backends.inference.recording_endpoint import RecordingEndpoint
 from patchgym.core.batch import Sample, TrainBatch
-from patchgym.core.chat import text_generation
+from patchgym.core.chat import assistant_text, text_generation
 from patchgym.core.errors import ConfigError
 from patchgym.core.inference import Generation, SamplingParams
 from patchgym.core.losses import GRPOLoss, SFTLoss, group_advantages
@@ -39,57 +41,29 @@ from patchgym.core.metrics import EventLog, Sink, TensorBoardSink, WandbSink, re
 from patchgym.core.plugins import registry
 from patchgym.core.rollout import Batch, GroupTally, RolloutManager
 from patchgym.core.tasks import Task, TaskSet
+from patchgym.core.tools import bash_call_text
 from patchgym.core.trajectory import Trajectory
 from patchgym.core.validation import oracle_turns
 from patchgym.envs.agent import AgentConfig, describe, episode_stats, run_agent
+from patchgym.envs.recording import RecordingLimits
+from patchgym.envs.scaffold import load_scaffold, run_scaffold
 from patchgym.envs.swe import AsyncSWEEnv, EnvConfig
 from patchgym.launch.cluster import plan_placement
 from patchgym.launch.context import run_logs
 from patchgym.launch.lifecycle import close_parts, start_parts, watched
 from patchgym.launch.ranks import follow_torchrun, torchrun_follower
 from patchgym.launch.sync import SyncReport, WeightSync, probe_ids
+from patchgym.pipeline.checks import check_config, model_dir
 from patchgym.pipeline.config import RunConfig, TraceSource
+from patchgym.pipeline.export import export_policy
+from patchgym.pipeline.feedback import RunningScore, ZeroRewardWatch, eval_line, pass_rate, quiet_third_party_bars
+from patchgym.pipeline.model_source import fetch_model
 from patchgym.pipeline.progress import stage_progress
 from patchgym.pipeline.sandboxes import RunLabelledBackend
 from patchgym.pipeline.state import STATE_FILE, RunState
-from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces, trace_files
+from patchgym.pipeline.traces import TooLong, TraceTally, load_samples, read_traces
 
 SUBMIT_MESSAGE = "```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```"
-
-
-def check_config(config: RunConfig) -> None:
-    """Every registered name and its options, and every file the config names, checked before
-    anything is written or built: a mistake is a `ConfigError` at once, not after the base evaluation."""
-    check_parts(config)
-    check_files(config)
-
-
-def check_parts(config: RunConfig) -> None:
-    """Every registered name and the options it is given (no file is read)."""
-    reg = registry()
-    model = {"model": config.model.path or "<model-init>"}
-    reg.check("task_set", config.tasks.train.name, config.tasks.train.options)
-    reg.check("task_set", config.tasks.eval.name, config.tasks.eval.options)
-    reg.check("sandbox", config.sandbox.name, config.sandbox.options)
-    reg.check("trainer", config.trainer.name, {**model, **config.trainer.options})
-    reg.check("inference", config.inference.name, {**model, **config.inference.options})
-    if config.cluster is not None:
-        plan_placement(config.cluster, config.trainer.options, config.inference.options)
-
-
-def check_files(config: RunConfig) -> None:
-    """The model folder and the SFT trace files exist."""
-    if config.model.path is not None and not Path(config.model.path).is_dir():
-        raise ConfigError(f"model.path {config.model.path!r} is not a folder (a Hugging Face model)")
-    if config.sft.enabled:
-        for source in config.sft.traces:
-            if source.path is not None:
-                trace_files(source.path)
-
-
-def model_dir(config: RunConfig) -> Path:
-    """The policy's folder: `model.path`, or `RUN_DIR/model-init` where a tiny model is created."""
-    return Path(config.model.path) if config.model.path else Path(config.run_dir) / "model-init"
 
 
 class OraclePolicy:
@@ -97,8 +71,14 @@ class OraclePolicy:
 
     max_context = 1 << 30
 
-    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int) -> None:
-        self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
+    def __init__(self, tokenizer: Any, task: Task, turn_end_id: int, actions: str = "bash_blocks") -> None:
+        if actions == "tool_calls":  # each command as a bash tool call in the model's own template format
+            render = functools.partial(assistant_text, tokenizer)
+            commands: list[str | None] = [*oracle_turns(task), None]
+            self.messages = [bash_call_text(render, command) for command in commands]
+        else:
+            self.messages = [*(f"```bash\n{command}\n```" for command in oracle_turns(task)), SUBMIT_MESSAGE]
+        self._submit = self.messages[-1]
         self._tokenizer, self._end = tokenizer, turn_end_id
 
     def longest_turn(self) -> int:
@@ -106,7 +86,7 @@ class OraclePolicy:
         return max(len(text_generation(self._tokenizer, m, self._end).token_ids) for m in self.messages)
 
     async def generate(self, input_ids: Sequence[int], params: SamplingParams) -> Generation:
-        text = self.messages.pop(0) if self.messages else SUBMIT_MESSAGE
+        text = self.messages.pop(0) if self.messages else self._submit
         return text_generation(self._tokenizer, text, self._end)
 
 
@@ -130,6 +110,15 @@ def to_sample(trajectory: Trajectory, advantage: float = 0.0) -> Sample:
         engine_logprobs=trajectory.engine_logprobs,
         group_id=trajectory.task_id,
     )
+
+
+def to_samples(trajectory: Trajectory, advantage: float = 0.0) -> list[Sample]:
+    """Its samples, all with `advantage`: its tokens and each earlier segment of a split scaffold episode."""
+    earlier = [
+        Sample(s["token_ids"], s["loss_mask"], advantage, s["engine_logprobs"], group_id=trajectory.task_id)
+        for s in trajectory.segments
+    ]
+    return [*earlier, to_sample(trajectory, advantage)]
 
 
 class TaskStream:
@@ -170,11 +159,14 @@ class Pipeline:
         self.trainer: Any = None
         self.backend: Any = None
         self.cluster: Any = None
+        self.endpoint: Any = None  # the recording endpoint, for an external agent scaffold
+        self.scaffold: Any = None
         self.log: EventLog | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def _model_dir(self) -> Path:
-        return model_dir(self.config)
+        """The policy's folder: model.path's (a Hub id is fetched into the HF cache once), or the tiny model's."""
+        return fetch_model(self.config.model.path) if self.config.model.path else model_dir(self.config)
 
     def _model_path(self) -> Path:
         cfg = self.config.model
@@ -232,6 +224,10 @@ class Pipeline:
                 self.engine = reg.create("inference", c.inference.name, model=str(model_path), **c.inference.options)
                 self.trainer = reg.create("trainer", c.trainer.name, model=str(model_path), **c.trainer.options)
         await start_parts([self.engine, self.trainer])
+        if c.agent.scaffold != "builtin":
+            self.scaffold = load_scaffold(c.agent.scaffold, c.agent.scaffold_options)
+            endpoint = RecordingEndpoint(self.engine, self.tokenizer, RecordingLimits.of(c.agent))
+            self.endpoint = await endpoint.start()
         self.weight_sync = WeightSync(
             self.trainer,
             self.engine,
@@ -251,6 +247,8 @@ class Pipeline:
 
     def _parts(self) -> dict[str, Any]:
         parts = {"inference": self.engine, "trainer": self.trainer, "sandbox": self.backend}
+        if self.endpoint is not None:  # closes before the engine behind it
+            parts = {"endpoint": self.endpoint, **parts}
         return {**parts, "cluster": self.cluster} if self.cluster is not None else parts  # the cluster closes last
 
     async def aclose(self) -> None:
@@ -269,9 +267,26 @@ class Pipeline:
     async def _episode(self, task: Task, engine: Any, agent: AgentConfig) -> Trajectory:
         env = AsyncSWEEnv(self.train_tasks, self.backend, config=self.config.env)
         try:
+            if self.scaffold is not None and engine is self.engine:  # oracle replays stay in patchgym's own loop
+                return await self._scaffold_episode(env, task, agent)
             return await run_agent(env, engine, self.tokenizer, task, agent)
         finally:
             await env.close()
+
+    async def _scaffold_episode(self, env: AsyncSWEEnv, task: Task, agent: AgentConfig) -> Trajectory:
+        key, recorder = self.endpoint.open(RecordingLimits.of(agent))
+        try:
+            return await run_scaffold(
+                env,
+                self.scaffold,
+                recorder,
+                self.endpoint.base_url,
+                key,
+                task,
+                engine_fault=lambda: self.endpoint.close(key),  # the key closes as the scaffold returns
+            )
+        finally:
+            self.endpoint.close(key)
 
     async def _sync_weights(self, version: int) -> SyncReport:
         report = await self.weight_sync(version)
@@ -294,6 +309,12 @@ class Pipeline:
         staging.rename(latest)
         self._save_state()
 
+    async def _export(self, name: str) -> None:
+        """The policy as a Hugging Face model directory, `exports/NAME` in the run directory."""
+        started = time.perf_counter()
+        path = await export_policy(self.trainer, self.run_dir / "exports" / name)
+        self.log.emit("export", name=name, path=str(path), seconds=time.perf_counter() - started)
+
     def _stage_done(self, stage: str) -> None:
         self.state.stages_done.append(stage)
         self._save_state()
@@ -304,6 +325,7 @@ class Pipeline:
         tasks = list(self.eval_tasks)[: c.limit]
         agent = self.config.agent.model_copy(update={"temperature": c.temperature})
         gate = asyncio.Semaphore(c.concurrency)
+        score = RunningScore()
         with self._progress() as progress:
             bar = progress.add_task(f"eval ({stage})", total=len(tasks) * c.attempts, unit="episode")
 
@@ -311,7 +333,7 @@ class Pipeline:
                 async with gate:
                     trajectory = await self._episode(task, self.engine, agent)
                 self.log.emit("trajectory", stage=f"eval-{stage}", **describe(trajectory))  # as it ends
-                progress.update(bar, advance=1, reward=trajectory.reward)
+                progress.update(bar, advance=1, **score.add(trajectory))
                 return trajectory
 
             runs = await asyncio.gather(*(attempt(t) for t in tasks for _ in range(c.attempts)))
@@ -330,6 +352,7 @@ class Pipeline:
         }
         self.log.emit("eval", stage=stage, step=self.state.grpo_step, **result)
         self.results[stage] = result
+        self.console.print(eval_line(stage, result), highlight=False)
         return result
 
     def _token_cap(self) -> int:
@@ -345,7 +368,8 @@ class Pipeline:
         turn_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         bar = progress.add_task("sft traces (oracle)", total=len(tasks), unit="trace")
 
-        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end) for task in tasks}
+        actions = self.config.env.actions
+        policies = {task.id: OraclePolicy(self.tokenizer, task, turn_end, actions) for task in tasks}
         self._warn_unsayable(policies)
         gate = asyncio.Semaphore(self.config.sft.replay_concurrency)
 
@@ -449,6 +473,7 @@ class Pipeline:
         if cfg.reset_optimizer and self.state.grpo_step == 0:  # a resumed GRPO keeps its own moments
             await self.trainer.reset_optimizer()
         self._step_end = time.perf_counter()
+        self._zero_watch = ZeroRewardWatch(cfg.zero_reward_warn_steps)
         try:
             with self._progress() as progress:
                 done = self.state.grpo_step
@@ -458,9 +483,18 @@ class Pipeline:
                     if batch is None:
                         break
                     await self._train_on(batch, loss, manager, stream)
-                    progress.update(bar, advance=1, reward=batch.metrics["reward_mean"])
+                    members = [t for g in batch.groups for t in g.members]
+                    progress.update(bar, advance=1, reward=batch.metrics["reward_mean"], pass_rate=pass_rate(members))
+                    self._watch_rewards(batch.metrics["reward_mean"], episode_stats(members))
         finally:
             await manager.aclose()
+
+    def _watch_rewards(self, reward_mean: float, stats: dict[str, Any]) -> None:
+        """The zero-reward warning (`grpo.zero_reward_warn_steps`), once, on the console and in the events."""
+        message = self._zero_watch.observe(reward_mean, stats)
+        if message is not None:
+            self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+            self.log.emit("warning", stage="grpo", step=self.state.grpo_step, message=message)
 
     def _log_groups(self, batch: Batch) -> None:
         """Every trajectory of the step's groups, trained or set aside (with the reason), once."""
@@ -480,7 +514,7 @@ class Pipeline:
         samples = []
         for group in batch.groups:
             advantages = group_advantages(group.rewards, normalize_std=self.config.grpo.loss.normalize_std)
-            samples += [to_sample(t, a or 0.0) for t, a in zip(group.members, advantages, strict=True)]
+            samples += [s for t, a in zip(group.members, advantages, strict=True) for s in to_samples(t, a or 0.0)]
         started = time.perf_counter()
         metrics = await self.trainer.train_step(TrainBatch(samples, temperature=self.config.agent.temperature), loss)
         actor_s = time.perf_counter() - started
@@ -508,7 +542,11 @@ class Pipeline:
             accounting=totals,
             **{k: v for k, v in batch.metrics.items() if k != "rollout_wait_s"},
         )
-        if self.state.grpo_step % self.config.checkpoint_every == 0 or self.state.grpo_step == self.config.grpo.steps:
+        last = self.state.grpo_step == self.config.grpo.steps
+        every = self.config.export_every
+        if last or (every is not None and self.state.grpo_step % every == 0):  # before the checkpoint: a resume
+            await self._export(f"grpo-step-{self.state.grpo_step}")  # from it does not redo this export
+        if self.state.grpo_step % self.config.checkpoint_every == 0 or last:
             self.state.tasks_drawn = stream.drawn
             self.state.pending = [g.task.id for g in manager.pending_groups()]
             self.state.queued = [t.id for t in manager.queued_tasks()]
@@ -520,6 +558,7 @@ class Pipeline:
         if torchrun_follower():  # a torchrun rank other than 0: it serves rank 0's trainer calls
             follow_torchrun(self._model_dir(), dict(self.config.trainer.options))
             return {}
+        quiet_third_party_bars()
         try:
             await self._setup(resume)
             async with watched([self.engine, self.trainer]):
@@ -536,6 +575,7 @@ class Pipeline:
             self._stage_done("eval-base")
         if self.config.sft.enabled and "sft" not in done:
             await self.sft()
+            await self._export("sft")
             await self._checkpoint()
             self._stage_done("sft")
         if self.config.sft.enabled and "eval-sft" not in done:

@@ -18,11 +18,15 @@ Formats (`format: auto` tells them apart per record):
 In every format a record with `"resolved": false` is skipped unless `resolved_only` is off.
 
 Messages: content is a string, null, or a list of `{"type": "text", "text": ...}` parts (joined
-with newlines); `developer` is read as `system`, `tool`/`function` results as `user` (the
-environment presents command output as a user message); an assistant's `reasoning_content` is
-put back in front of its content as `<think>\\n...\\n</think>\\n\\n`, the text a Qwen3 model
-generates. Assistant `tool_calls`, non-text parts and unknown roles are errors: patchgym's
-agent acts in text, so such a trace cannot be a rollout.
+with newlines); `developer` is read as `system`; an assistant's `reasoning_content` is put back
+in front of its content as `<think>\\n...\\n</think>\\n\\n`, the text a Qwen3 model generates.
+Assistant `tool_calls` (OpenAI format) are kept and rendered by the model's chat template (for
+Qwen-style templates, `<tool_call>` JSON after the content): the text the model emits to call
+them, trained on like any assistant text; a record's `tools` list goes to the template too. In
+a trace with tool calls, `tool` results stay `tool` messages (the template's tool-response
+format); in one without, `tool`/`function` results are read as `user` (the environment of a
+text agent presents command output as a user message). Non-text parts, legacy
+`function_call`s and unknown roles are errors.
 """
 
 from __future__ import annotations
@@ -63,9 +67,11 @@ class Trace:
     """One conversation read from a file: `where` is `file`, `file:line` or `file[index]`."""
 
     where: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     skip: str | None = None
     """Why a filter drops this trace (its messages are then empty)."""
+    tools: list[dict[str, Any]] | None = None
+    """The record's tool schemas (OpenAI format), shown to the template."""
 
 
 @dataclass
@@ -211,7 +217,10 @@ def _trace(
             return Trace(where, [], f"exit_status {status}")
     if resolved_only and record.get("resolved") is False:
         return Trace(where, [], "not resolved")
-    return Trace(where, normalise_messages(messages, where))
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise TraceError(f'{where}: "tools" must be a list of tool schemas (objects), got {_kind(tools)}')
+    return Trace(where, normalise_messages(messages, where), tools=tools or None)
 
 
 def _looks_like_mini_swe_agent(record: dict[str, Any]) -> bool:
@@ -237,11 +246,13 @@ def _kind(value: Any) -> str:
 
 
 # -- messages ---------------------------------------------------------------------------------
-def normalise_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """Messages as `{"role": system|user|assistant, "content": str}` (see the module docstring)."""
+def normalise_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """Messages as `{"role": system|user|assistant|tool, "content": str}`, assistant messages with their
+    `tool_calls` (see the module docstring)."""
     if not isinstance(messages, list):
         raise TraceError(f'{where}: "messages" must be a list, got {_kind(messages)}')
-    out: list[dict[str, str]] = []
+    calls = any(_is_message(m) and m.get("role") == "assistant" and m.get("tool_calls") for m in messages)
+    out: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         at = f"{where}: message {index}"
         if not _is_message(message):
@@ -252,16 +263,36 @@ def normalise_messages(messages: Any, where: str) -> list[dict[str, str]]:
         if role not in _ROLES:
             known = ", ".join([*_ROLES, *_DROPPED_ROLES])
             raise TraceError(f"{at} has role {role!r}; known roles: {known}")
-        if role == "assistant" and (message.get("tool_calls") or message.get("function_call")):
+        if role == "assistant" and message.get("function_call"):
             raise TraceError(
-                f"{at} makes tool calls: patchgym's agent acts in text (a ```bash block), so it cannot be trained "
-                "on tool-call traces; convert them to text actions first (e.g. SWE-smith's ticks style)"
+                f"{at} makes a legacy function_call; write it as tool_calls "
+                '([{"type": "function", "function": {"name", "arguments"}}])'
             )
         content = _text(message.get("content"), at)
         reasoning = message.get("reasoning_content")
         if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
             content = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
-        out.append({"role": _ROLES[role], "content": content})
+        mapped = "tool" if calls and role == "tool" else _ROLES[role]
+        item: dict[str, Any] = {"role": mapped, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            item["tool_calls"] = _tool_calls(message["tool_calls"], at)
+        out.append(item)
+    return out
+
+
+def _tool_calls(calls: Any, at: str) -> list[dict[str, Any]]:
+    """OpenAI `tool_calls` as `{"type": "function", "function": {"name", "arguments"}}` items."""
+    if not isinstance(calls, list):
+        raise TraceError(f"{at}: tool_calls must be a list, got {_kind(calls)}")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise TraceError(f'{at}: a tool call needs {{"function": {{"name": ..., "arguments": ...}}}}')
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, (str, dict)):
+            raise TraceError(f"{at}: tool call arguments must be JSON text or an object, got {_kind(arguments)}")
+        out.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return out
 
 
@@ -284,7 +315,12 @@ def _text(content: Any, at: str) -> str:
 
 
 # -- tokens -----------------------------------------------------------------------------------
-def trace_sample(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str]], where: str) -> Sample:
+def trace_sample(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[dict[str, Any]],
+    where: str,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> Sample:
     """The conversation as the agent loop would have built it, loss on the assistant turns only."""
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
@@ -292,8 +328,8 @@ def trace_sample(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str]], w
     if first == 0:
         raise TraceError(f"{where}: starts with an assistant message; a trace needs the prompt it answered")
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    chat = TokenChat.start(tokenizer, messages[:first])
-    observation: list[dict[str, str]] = []
+    chat = TokenChat.start(tokenizer, messages[:first], tools=tools)
+    observation: list[dict[str, Any]] = []
     for index in range(first, last + 1):
         message = messages[index]
         if message["role"] != "assistant":
@@ -307,7 +343,7 @@ def trace_sample(tokenizer: ChatTokenizer, messages: Sequence[dict[str, str]], w
                 )
             chat.add_observation(observation)
             observation = []
-        chat.add_text(message["content"])
+        chat.add_text(chat.assistant_text(message) if message.get("tool_calls") else message["content"])
     return Sample(list(chat.token_ids), list(chat.loss_mask), engine_logprobs=list(chat.logprobs), group_id=where)
 
 
@@ -329,7 +365,7 @@ def load_samples(
 ) -> Iterator[Sample]:
     """Tokenise `traces` and fit them to `cap`, counting every trace in `tally`."""
     for trace in traces:
-        sample = None if trace.skip is not None else trace_sample(tokenizer, trace.messages, trace.where)
+        sample = None if trace.skip is not None else trace_sample(tokenizer, trace.messages, trace.where, trace.tools)
         kept = tally.admit(trace.where, sample, trace.skip or "", cap, too_long)
         if kept is not None:
             yield kept

@@ -115,7 +115,12 @@ def load_task(folder: Path) -> Task:
 
 
 class FolderTaskSet(LoadedTaskSet):
-    """Every task folder under `path`, in name order."""
+    """Every task folder under `path`, in name order.
+
+    Args:
+        path: the folder holding one sub-folder (with a task.json) per task
+        name: the set's name in events and reports (default: the folder's name)
+    """
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
         self.path = Path(path)

@@ -17,15 +17,16 @@ first every process the agent left is stopped (`STOP_OTHERS`), then `test.sh` ru
 grading shell (no profile or rc file, an explicit environment), the processes it starts are
 killed when it ends, and the reward file must be a regular file of at most `MAX_REWARD_BYTES`.
 On Docker, the container's changes (`docker diff`, read from the engine, not from inside) must
-leave the shell start-up files and the interpreter alone (`PROTECTED_PATHS`, less the task's
-`[verifier].allowed_changes`).
+leave the shell start-up files, the interpreters and the whole standard library alone, compared
+by real path (`harbor_paths`, less the task's `[verifier].allowed_changes`), and the Python the
+agent added or changed passes the static tamper checks (`harbor_static`, under the episode's
+`tamper_policy`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import fnmatch
 import io
 import json
 import math
@@ -45,6 +46,8 @@ from patchgym.core.plugins import Register, hookimpl
 from patchgym.core.sandbox import Sandbox, SandboxSpec
 from patchgym.core.tasks import LoadedTaskSet, Task, TestStatus, sandbox_limits
 from patchgym.core.test_reports import ReportError
+from patchgym.plugins.harbor_paths import EXISTING_ONLY, PROTECTED_PATHS, protected_changes
+from patchgym.plugins.harbor_static import harbor_findings
 
 VERIFIER_DIR = "/logs/verifier"
 MAX_REWARD_BYTES = 65_536
@@ -59,33 +62,6 @@ STOP_OTHERS = (
 """Bash that stops, then kills, every process but PID 1, the container's main process and its own
 ancestors, in a container whose PID 1 is an init (elsewhere it kills nothing): what the agent
 left running cannot touch the verifier's files while it runs."""
-PROTECTED_PATHS = (
-    "/etc/profile",
-    "/etc/profile.d/*",
-    "/etc/bash.bashrc",
-    "/etc/environment",
-    "/etc/ld.so.preload",
-    "/root/.bashrc",
-    "/root/.profile",
-    "/root/.bash_profile",
-    "/root/.bash_login",
-    "/home/*/.bashrc",
-    "/home/*/.profile",
-    "/home/*/.bash_profile",
-    "/usr/local/bin/*",
-    "/usr/local/sbin/*",
-    "/usr/bin/python*",
-    "/usr/bin/bash",
-    "/usr/bin/env",
-    "/bin/*",
-    "*/sitecustomize.py",
-    "*/usercustomize.py",
-    "*.pth",
-)
-"""Container paths (fnmatch patterns) a Harbor agent may not change: shell start-up files, the
-interpreter and shell entry points, and Python start-up hooks. A change is reward 0
-(`verifier_environment_changed`); a task allows what it must change with
-`[verifier].allowed_changes` in task.toml."""
 MAX_ORACLE_BYTES = 96_000
 """The oracle travels inside one command line (a kernel limit of 128 KiB per argument)."""
 _WORKDIR = re.compile(r"^\s*WORKDIR\s+(\S+)\s*$", re.I | re.M)
@@ -128,20 +104,28 @@ class HarborGrader(ShellGrader):
     max_log_bytes: int = 1_000_000
     stop_agent_processes: bool = True
     protected_paths: tuple[str, ...] = PROTECTED_PATHS
+    existing_only_paths: tuple[str, ...] = EXISTING_ONLY
     allowed_changes: tuple[str, ...] = ()
+    tamper_policy: str = "zero"
+    max_static_bytes: int = 50_000_000
     grades_container_state = True  # type: ignore[misc]
 
     async def _grade(self, sandbox: Sandbox, details: dict[str, Any]) -> tuple[float, Mapping[str, TestStatus]]:
         if self.stop_agent_processes:
             stopped = await sandbox.exec(STOP_OTHERS, timeout_s=60)
             details["agent_processes_stopped"] = stopped.stdout.strip()
-        changed = await container_changes(sandbox)
+        changed = await container_diff(sandbox)
         if changed is not None:
-            touched = [path for path in changed if self._protected(path)]
+            touched = protected_changes(changed, self.protected_paths, self.existing_only_paths, self.allowed_changes)
             details["protected_changes"] = touched[:20]
             if touched:
                 raise GradeFailure("verifier_environment_changed", f"the agent changed {', '.join(touched[:5])}")
         room = await GradingRoom.open(sandbox)
+        if changed is not None and self.tamper_policy != "off":
+            findings, checked = await harbor_findings(room, changed, self.max_static_bytes)
+            details.update(tamper=[f.as_dict() for f in findings[:20]], static_files_checked=checked)
+            if findings and self.tamper_policy == "zero":
+                raise GradeFailure("tamper_suspected", findings[0].what)
         archive = await room.write("tests.tar", self.tests_tar)
         staged = await room.run(
             f"rm -rf /tests {VERIFIER_DIR} && mkdir -p /tests {VERIFIER_DIR} "
@@ -174,21 +158,29 @@ class HarborGrader(ShellGrader):
             return reward, {}
         raise GradeFailure("no_reward_file", f"tests/test.sh wrote neither {VERIFIER_DIR}/reward.json nor reward.txt")
 
-    def _protected(self, path: str) -> bool:
-        if any(fnmatch.fnmatch(path, pattern) for pattern in self.allowed_changes):
-            return False
-        return any(fnmatch.fnmatch(path, pattern) for pattern in self.protected_paths)
+    def _protected(self, path: str, kind: int = 0) -> bool:
+        """Whether changing `path` (a `docker diff` kind: 0 changed, 1 added, 2 deleted) is refused."""
+        return bool(
+            protected_changes([(path, kind)], self.protected_paths, self.existing_only_paths, self.allowed_changes)
+        )
 
 
-async def container_changes(sandbox: Sandbox) -> list[str] | None:
-    """Paths the container's filesystem changed since its image (`docker diff`), as the Docker
-    engine sees them; None for sandboxes that are not Docker containers."""
+async def container_diff(sandbox: Sandbox) -> list[tuple[str, int]] | None:
+    """(path, kind) of what the container's filesystem changed since its image (`docker diff`:
+    kind 0 changed, 1 added, 2 deleted), as the Docker engine sees them; None for sandboxes that
+    are not Docker containers."""
     container = getattr(sandbox, "container", None)
     if not callable(getattr(container, "diff", None)):
         return None
     assert container is not None
     changes = await asyncio.to_thread(container.diff)
-    return sorted(str(change["Path"]) for change in changes or [])
+    return sorted((str(change["Path"]), int(change.get("Kind", 0))) for change in changes or [])
+
+
+async def container_changes(sandbox: Sandbox) -> list[str] | None:
+    """The paths of `container_diff`."""
+    changes = await container_diff(sandbox)
+    return None if changes is None else [path for path, _ in changes]
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -261,7 +253,12 @@ def load_harbor_task(folder: Path) -> Task:
 
 
 class HarborTaskSet(LoadedTaskSet):
-    """Harbor task folders under `path` (or `path` itself when it is one task), in name order."""
+    """Harbor task folders under `path` (or `path` itself when it is one task), in name order.
+
+    Args:
+        path: a folder of Harbor tasks (folders with a task.toml), or one such task folder
+        limit: only the first N tasks in name order (null: all)
+    """
 
     def __init__(self, path: str | Path, limit: int | None = None) -> None:
         self.path = Path(path)

@@ -146,7 +146,14 @@ def generate_locate_tasks(directory: Path, *, count: int, seed: int, split: str)
 def locate_task_set(
     count: int = 64, seed: int = 0, split: str = "train", cache_dir: str | None = None
 ) -> FolderTaskSet:
-    """The locate family, generated once into a cache folder and loaded from there."""
+    """The locate family, generated once into a cache folder and loaded from there.
+
+    Args:
+        count: tasks to generate
+        seed: generator seed
+        split: train or eval: the two splits never share a task
+        cache_dir: where tasks are generated (default: $PATCHGYM_CACHE or the temp dir)
+    """
 
     def generate(directory: Path, count: int, seed: int, split: str) -> None:
         generate_locate_tasks(directory, count=count, seed=seed, split=split)

@@ -1,7 +1,8 @@
 """The `mix` task set: several registered task sets interleaved, e.g. a ladder from `easy` to `locate`.
 
     tasks:
-      train: {name: mix, options: {sets: [{name: easy, options: {count: 128}}, {name: locate, options: {count: 384}}]}}
+      train: {name: mix, options: {sets: [{name: easy, options: {count: 128}}, {name: locate, options: {count:
+          384}}]}}
 
 Each member's tasks are spread evenly over the mix (1 easy task, then 3 locate tasks, ... above),
 so `eval.limit` or a short run sees every family. Task ids must be unique across the members.
@@ -42,7 +43,11 @@ class MixedTaskSet(LoadedTaskSet):
 
 
 def mixed_task_set(sets: Sequence[Mapping[str, Any]]) -> MixedTaskSet:
-    """A mix of registered task sets, each given as {name, options}."""
+    """A mix of registered task sets, each given as {name, options}.
+
+    Args:
+        sets: the task sets to interleave, each {name: ..., options: {...}}
+    """
     if not isinstance(sets, Sequence) or isinstance(sets, str) or not sets:
         raise ConfigError("mix: `sets` must be a non-empty list of {name: ..., options: {...}}")
     members = []

@@ -36,6 +36,8 @@ from patchgym.core.grading_shell import GradingRoom, GradingSetupError
 from patchgym.core.sandbox import Sandbox
 from patchgym.core.tasks import Grade, TestStatus
 from patchgym.core.test_reports import LOG_PARSERS, worst
+from patchgym.core.verdict.judge import as_pytest_log
+from patchgym.core.verdict.session import recorder_mode, supervised_run
 
 TEST_PATH_PATTERN = r"(^|/)(tests?|testing)/|(^|/)test_[^/]*$|_tests?\.py$|(^|/)(conftest\.py|pytest\.ini|tox\.ini)$"
 """Paths treated as tests or test configuration (POSIX ERE): changed ones are reverted before grading."""
@@ -241,6 +243,8 @@ class SWELogGrader(ShellGrader):
     log_parser: str = "swebench"
     timeout_s: float = 1800.0
     max_log_bytes: int = 4_000_000
+    verdict_channel: bool = True
+    canaries: bool = True
 
     def __post_init__(self) -> None:
         check_log_parser(self.log_parser, self.repo)
@@ -264,6 +268,8 @@ class SWELogGrader(ShellGrader):
             if not applied.ok:
                 raise GradeFailure("test_patch_failed", applied.output[-2000:])
         setup = f"{{ {self.test_setup}\n}} >> {log} 2>&1; " if self.test_setup else ""
+        if self.verdict_channel and room.python and recorder_mode(self.test_command) == "pytest":
+            return await self._grade_supervised(room, f"{setup}( {self.test_command}\n) 2>&1", details)
         run = await room.run(
             f"{setup}( {self.test_command}\n) 2>&1",
             timeout_s=self.timeout_s,
@@ -272,6 +278,24 @@ class SWELogGrader(ShellGrader):
         )
         details.update(exit_code=run.exit_code, test_duration_s=round(run.duration_s, 3), log_tail=run.output[-2000:])
         return self._verdict(run.output, run.exit_code, timed_out=run.timed_out, details=details)
+
+    async def _grade_supervised(
+        self, room: GradingRoom, command: str, details: dict[str, Any]
+    ) -> tuple[float, Mapping[str, TestStatus]]:
+        run = await supervised_run(
+            room,
+            command,
+            mode="pytest",
+            expected=(*self.fail_to_pass, *self.pass_to_pass),
+            timeout_s=self.timeout_s,
+            max_log_bytes=self.max_log_bytes,
+            canaries=self.canaries,
+        )
+        details.update(exit_code=run.exit_code, test_duration_s=round(run.duration_s, 3), log_tail=run.log[-2000:])
+        details.update(run.details)
+        if run.failure:
+            raise GradeFailure(run.failure, run.message, tests=run.tests)
+        return self._verdict(as_pytest_log(run.tests), 0, timed_out=False, details=details)
 
     def judge_log(
         self, log: str, exit_code: int | None, *, timed_out: bool = False, details: dict[str, Any] | None = None

@@ -70,6 +70,24 @@ class SWEBenchTaskSet(LoadedTaskSet):
     (off by default: run the specs' install step again before the test patch is applied, as the
     harness does; the harness's images are installed already, and the install needs the network
     a sandbox has not), `test_timeout_s`.
+
+    Args:
+        path: a JSON/JSONL/Parquet file of instances, or a Hugging Face dataset name (e.g. princeton-nlp/SWE-
+            bench_Verified)
+        split: the dataset split of a Hub dataset
+        limit: only the first N instances (null: all)
+        subset: a sample of N instances stratified by repository, drawn with seed (null: all)
+        seed: seed of the subset sample
+        ids: only these instance ids, comma-separated (null: all)
+        namespace: registry namespace of the harness's instance images ({namespace}/sweb.eval.{arch}.{id}:{tag})
+        tag: tag of the instance images
+        arch: architecture in the instance image names: x86_64 or arm64
+        repos_dir: run each task from a local checkout {repos_dir}/{instance_id} instead of an image (for the local
+            sandbox)
+        activate: shell command that enters the test environment before tests run ("" for none)
+        reinstall: run the specs' install step again before the test patch is applied, as the harness does (needs
+            network)
+        test_timeout_s: seconds the test command of one grading may run
     """
 
     name = "swebench"

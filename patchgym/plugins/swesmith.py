@@ -62,7 +62,15 @@ def heredoc(command: str, body: str) -> str:
 
 class SWESmithTaskSet(SWEBenchTaskSet):
     """SWE-smith instances; options as `SWEBenchTaskSet`, plus the default `test_command` and
-    `log_parser` for rows that name none."""
+    `log_parser` for rows that name none.
+
+    Args:
+        path: a JSON/JSONL/Parquet file of SWE-smith instances, or a Hugging Face dataset name (e.g. SWE-bench/SWE-
+            smith)
+        test_command: the test command of rows that name none (test_cmd)
+        log_parser: the swebench log parser of rows that name none; also takes every option of swebench (split, limit,
+            subset, ...)
+    """
 
     name = "swesmith"
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from patchgym.backends.device import resolve_device
 from patchgym.core.errors import ConfigError, EngineError
 from patchgym.core.inference import FinishReason, Generation, SamplingParams
 
@@ -162,14 +163,25 @@ class EmbeddedEngine:
         *,
         max_context: int = 4096,
         max_batch_size: int = 32,
-        device: str = "cpu",
+        device: str = "auto",
         dtype: str = "float32",
         seed: int = 0,
         weight_version: int = 0,
         stop_at_eos: bool = True,
     ) -> None:
-        """`model`: a folder, or a loaded model (used as is, not copied). `stop_at_eos`: also stop every
-        request at the model's EOS tokens (generation_config), as SGLang and `generate` do."""
+        """`model`: a folder, or a loaded model (used as is, not copied).
+
+        Args:
+            model: the policy's Hugging Face folder (the pipeline passes model.path or the tiny model)
+            max_context: longest sequence (prompt and generated tokens) a request may reach
+            max_batch_size: requests decoded together in one forward pass (continuous batching)
+            device: cpu, cuda, cuda:N, rocm, rocm:N, or auto (the first GPU torch sees, else the CPU)
+            dtype: weights and compute: float32, bfloat16 or float16
+            seed: seed of sampling for requests that bring no seed of their own
+            weight_version: the policy version the loaded weights are (a sync raises it)
+            stop_at_eos: also stop every request at the model's EOS tokens (generation_config), as
+                SGLang and `generate` do
+        """
         if dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
         if max_batch_size < 1 or max_context < 2:
@@ -182,13 +194,14 @@ class EmbeddedEngine:
                 raise ConfigError(f"{model} is not a Hugging Face model folder (no config.json)")
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=_DTYPES[dtype])
             self._model_source = str(model)
-        self.model = self.model.to(device=device, dtype=_DTYPES[dtype]).eval()
+        target = resolve_device(device)
+        self.model = self.model.to(device=target, dtype=_DTYPES[dtype]).eval()
         positions = getattr(self.model.config, "max_position_embeddings", None)
         if positions is not None and max_context > positions:
             raise ConfigError(f"max_context {max_context} exceeds the model's max_position_embeddings {positions}")
         self.max_context = max_context
         self.max_batch_size = max_batch_size
-        self.device = torch.device(device)
+        self.device = target
         self.dtype = dtype
         self.vocab_size = int(self.model.config.vocab_size)
         parameters = inspect.signature(self.model.forward).parameters

@@ -23,8 +23,17 @@ from patchgym.core.inference import InferenceEngine, SamplingParams
 
 ChatHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 """Takes a chat-completions request body, returns the response body."""
+KeyedChatHandler = Callable[[dict[str, Any], str | None], Awaitable[dict[str, Any]]]
+"""Takes the request body and the request's API key (`Authorization: Bearer KEY`), returns the response body."""
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+}
 
 
 class HTTPError(Exception):
@@ -37,10 +46,24 @@ class ChatCompletionsServer:
     """Serve `handler` at http://127.0.0.1:PORT/v1 (`port=0` picks a free port; see `url`)."""
 
     def __init__(
-        self, handler: ChatHandler, *, model_name: str = "patchgym-local", port: int = 0, max_body_bytes: int = 16 << 20
+        self,
+        handler: ChatHandler | None = None,
+        *,
+        model_name: str = "patchgym-local",
+        port: int = 0,
+        max_body_bytes: int = 16 << 20,
+        keyed_handler: KeyedChatHandler | None = None,
+        close_grace_s: float = 30.0,
     ) -> None:
-        self.handler, self.model_name, self.port, self.max_body_bytes = handler, model_name, port, max_body_bytes
+        """`handler` answers every request; `keyed_handler` (instead) also gets the request's API key.
+        `close_grace_s`: how long `aclose` lets requests in progress finish before cancelling them."""
+        self.close_grace_s = close_grace_s
+        if (handler is None) == (keyed_handler is None):
+            raise ValueError("give exactly one of handler and keyed_handler")
+        self.handler, self.keyed_handler = handler, keyed_handler
+        self.model_name, self.port, self.max_body_bytes = model_name, port, max_body_bytes
         self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
 
     @property
     def url(self) -> str:
@@ -52,8 +75,16 @@ class ChatCompletionsServer:
         return self
 
     async def aclose(self) -> None:
+        """Stop listening and end the open (keep-alive) connections."""
         if self._server is not None:
             self._server.close()
+            for writer in self._connections.values():  # idle keep-alive connections end at once
+                writer.close()
+            if self._connections:
+                _, late = await asyncio.wait(list(self._connections), timeout=self.close_grace_s)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
             await self._server.wait_closed()
 
     async def __aenter__(self) -> ChatCompletionsServer:
@@ -63,13 +94,16 @@ class ChatCompletionsServer:
         await self.aclose()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
         try:
             while True:
                 request = await _read_request(reader, self.max_body_bytes)
                 if request is None:
                     return
-                method, path, body = request
-                status, payload = await self._dispatch(method, path, body)
+                method, path, body, key = request
+                status, payload = await self._dispatch(method, path, body, key)
                 data = json.dumps(payload).encode()
                 head = (
                     f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
@@ -80,11 +114,12 @@ class ChatCompletionsServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             return
         finally:
+            self._connections.pop(task, None)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
-    async def _dispatch(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    async def _dispatch(self, method: str, path: str, body: bytes, key: str | None) -> tuple[int, dict[str, Any]]:
         try:
             if path.rstrip("/") == "/v1/models":
                 if method != "GET":
@@ -105,6 +140,9 @@ class ChatCompletionsServer:
                 raise HTTPError(400, "the body needs a 'messages' list")
             if request.get("stream"):
                 raise HTTPError(400, "streaming is not supported by this server; send stream=false")
+            if self.keyed_handler is not None:
+                return 200, await self.keyed_handler(request, key)
+            assert self.handler is not None
             return 200, await self.handler(request)
         except HTTPError as exc:
             return exc.status, _error(exc.status, str(exc))
@@ -119,12 +157,13 @@ def _error(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-async def _read_request(reader: asyncio.StreamReader, max_body: int) -> tuple[str, str, bytes] | None:
+async def _read_request(reader: asyncio.StreamReader, max_body: int) -> tuple[str, str, bytes, str | None] | None:
+    """(method, path, body, bearer key) of the next request, or None at the end of the connection."""
     line = await reader.readline()
     if not line:
         return None
     method, path, _ = line.decode("latin-1").split(" ", 2)
-    length = 0
+    length, key = 0, None
     while True:
         header = (await reader.readline()).decode("latin-1").strip()
         if not header:
@@ -132,9 +171,11 @@ async def _read_request(reader: asyncio.StreamReader, max_body: int) -> tuple[st
         name, _, value = header.partition(":")
         if name.strip().lower() == "content-length":
             length = int(value.strip())
+        if name.strip().lower() == "authorization" and value.strip().lower().startswith("bearer "):
+            key = value.strip()[7:].strip()
     if length > max_body:
         raise ConnectionError(f"request body of {length} bytes is over the limit")
-    return method, path, await reader.readexactly(length)
+    return method, path, await reader.readexactly(length), key
 
 
 def completion_body(model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:

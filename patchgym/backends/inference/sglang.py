@@ -10,7 +10,9 @@ shared memory, same host) or over a process group (`/update_weights_from_distrib
 trainer is rank 0; see `DistributedWeights`), in buckets of at most `weight_bucket_bytes`: one
 call per bucket, all inside one begin/end weight-update session; the group holds the trainer
 (rank 0) and every rank of every engine (`ranks_per_engine`, tp * pp each), each engine at its
-cumulative rank offset. Servers started by patchgym (`patchgym.launch.engines`) belong to the
+cumulative rank offset. A staged sync's groups (`StagedWeights`) stay joined after it: the next
+sync with the same group names reuses them, one with other names has the old ones destroyed
+first, and a failed sync destroys them. Servers started by patchgym (`patchgym.launch.engines`) belong to the
 engine through `supervisor`: `start()` waits for them, `aclose()` stops them. Routes and fields follow sglang 0.5.23
 (`sglang/srt/entrypoints/http_server.py`, `sglang/srt/managers/io_struct.py`).
 """
@@ -174,6 +176,8 @@ class SGLangEngine:
         self._turn = itertools.count()
         self._rid_url: dict[str, str] = {}
         self._version = 0
+        self._weight_groups: list[str] = []
+        """The staged weight groups every engine has joined, kept for the next sync."""
 
     def settings(self) -> dict[str, Any]:
         """Every limit this client applies."""
@@ -380,6 +384,11 @@ class SGLangEngine:
         dead = self.supervisor.dead() if self.supervisor is not None else []
         return {u for u in self.urls if self._child(u) in dead}
 
+    @property
+    def settle_s(self) -> float:
+        """How long an engine's death may take to show after a request failed (its supervisor's)."""
+        return float(getattr(self.supervisor, "settle_s", 0.0))
+
     def fatal(self) -> str | None:
         """Why generation cannot go on (the router or every engine died), or None."""
         dead = self.supervisor.dead() if self.supervisor is not None else []
@@ -502,10 +511,11 @@ class SGLangEngine:
         broadcaster = WeightBroadcaster(
             weights.master_address, weights.master_port, world_size, backend, weights.group_name, weights.timeout_s
         )
+        port = await asyncio.to_thread(broadcaster.bind)  # held from here: port 0 picks a free one
         init = [
             {
                 "master_address": weights.master_address,
-                "master_port": weights.master_port,
+                "master_port": port,
                 "rank_offset": offset,
                 "world_size": world_size,
                 "group_name": weights.group_name,
@@ -543,15 +553,20 @@ class SGLangEngine:
         return sum(ranks) + 1, list(itertools.accumulate(ranks, initial=1))[:-1]
 
     async def _update_staged(self, weights: StagedWeights, version: int) -> None:
-        """Every engine joins each stage's group, then receives each group's buckets in order."""
+        """Every engine joins each stage's group it has not joined yet, then receives each group's
+        buckets in order; the groups stay joined for the next sync."""
+        names = [group.name for group in weights.groups]
+        if any(name not in names for name in self._weight_groups):  # the sync formed new groups
+            await self._leave_weight_groups()
         world_size, offsets = await self._group_offsets()
         sending = asyncio.ensure_future(weights.send())
         # The senders are in other processes and bounded by their own group timeouts; a refusal
         # here is raised at once, without waiting for them.
         sending.add_done_callback(lambda task: task.cancelled() or task.exception())
-        joined: list[str] = []
         try:
             for group in weights.groups:
+                if group.name in self._weight_groups:
+                    continue
                 calls = [
                     self._request(
                         self._control,
@@ -569,9 +584,9 @@ class SGLangEngine:
                     )
                     for url, offset in zip(self.urls, offsets, strict=True)
                 ]
+                self._weight_groups.append(group.name)  # possibly joined by some: left on failure
                 for response in await asyncio.gather(*calls):
                     self._check(response, "init_weights_update_group")
-                joined.append(group.name)
             await self._all("POST", "/begin_weight_update", json={}, what="begin_weight_update")
             try:
                 last = (len(weights.groups) - 1, len(weights.groups[-1].buckets) - 1)
@@ -593,9 +608,16 @@ class SGLangEngine:
             finally:
                 await self._all("POST", "/end_weight_update", json={}, what="end_weight_update")
             await sending
-        finally:
-            for name in joined:
-                await self._all("POST", "/destroy_weights_update_group", json={"group_name": name})
+        except BaseException:
+            with contextlib.suppress(InfraError, ConfigError):
+                await self._leave_weight_groups()
+            raise
+
+    async def _leave_weight_groups(self) -> None:
+        """Every engine destroys the staged groups it holds."""
+        names, self._weight_groups = self._weight_groups, []
+        for name in names:
+            await self._all("POST", "/destroy_weights_update_group", json={"group_name": name})
 
     async def _send_bucket(
         self, broadcaster: Any, group_name: str, bucket: Mapping[str, Any], version: int | None
@@ -617,12 +639,15 @@ class SGLangEngine:
             )
         )
         await asyncio.to_thread(broadcaster.broadcast, list(bucket.values()))
+        await asyncio.to_thread(broadcaster.wait)
         for response in await update:
             self._check(response, "update_weights_from_distributed")
 
     async def aclose(self) -> None:
-        """Close the connections and stop the servers this engine started."""
+        """Leave the weight groups, close the connections and stop the servers this engine started."""
         try:
+            with contextlib.suppress(InfraError, ConfigError):
+                await self._leave_weight_groups()
             await self._client.aclose()
             await self._control.aclose()
         finally:

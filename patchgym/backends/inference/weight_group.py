@@ -8,7 +8,6 @@ trainer's own distributed setup (if any) is untouched. Blocking calls: run them 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -36,7 +35,14 @@ def split_buckets(sizes: Mapping[str, int], bucket_bytes: int) -> list[list[str]
 
 
 class WeightBroadcaster:
-    """Rank 0 of a `world_size` group named `group_name` (gloo on CPU, NCCL on GPU)."""
+    """Rank 0 of a `world_size` group named `group_name` (gloo on CPU, NCCL on GPU).
+
+    `bind()` opens the group's store on its port and holds it from then on (port 0: one the OS
+    picks, read back from `master_port`), so no other process can take a port between its choice
+    and the rendezvous; `join()` forms the group; `broadcast()` enqueues each tensor (async) and
+    `wait()` waits for what is enqueued; `close()` waits too before it destroys the group. A
+    broadcaster is kept across syncs: the group forms once and carries every later sync.
+    """
 
     def __init__(
         self, master_address: str, master_port: int, world_size: int, backend: str, group_name: str, timeout_s: float
@@ -46,76 +52,100 @@ class WeightBroadcaster:
         self.backend = backend
         self.group_name = group_name
         self.timeout = timedelta(seconds=timeout_s)
+        self._store: Any = None
         self._group: Any = None
+        self._pending: list[Any] = []
+
+    @property
+    def joined(self) -> bool:
+        return self._group is not None
+
+    def bind(self) -> int:
+        """Open the store this rank hosts, on `master_port` (0: a free one); the port, now held."""
+        from torch.distributed import TCPStore
+
+        if self._store is None:
+            where = f"{self.master_address}:{self.master_port}"
+            try:
+                # This rank hosts the store itself: under torchrun, `c10d.rendezvous` would only connect
+                # to the launcher's agent store (TORCHELASTIC_USE_AGENT_STORE) and never meet the engines.
+                self._store = TCPStore(
+                    self.master_address,
+                    self.master_port,
+                    self.world_size,
+                    True,
+                    self.timeout,
+                    wait_for_workers=False,
+                    multi_tenant=True,
+                )
+            except (RuntimeError, ValueError) as exc:
+                raise TransportError(f"cannot open the weight-update group's store at {where}: {exc}") from exc
+            self.master_port = self._store.port
+        return self.master_port
 
     def join(self) -> None:
-        """Rendezvous with every engine rank; returns once the group exists.
+        """Rendezvous with every engine rank; returns once the group exists (binds first if needed).
 
         Raises `TransportError` once the timeout has passed without it, whichever member is
-        missing. The group forms in two waits, each given a timeout: every member connects to
-        the store this rank hosts, then the backend's own rendezvous (gloo exchanges addresses
-        through the store). Given the whole timeout each, a member that reached the store but
-        never its backend (an engine that died in between) held the join for twice the timeout;
-        the second wait gets what the first one left, and broadcasts the whole timeout again.
+        missing: one wait, through the store this rank holds, bounded by the timeout; the group
+        then gets the whole timeout again for each broadcast.
         """
-        from torch.distributed import TCPStore
         from torch.distributed import distributed_c10d as c10d
 
-        seconds = self.timeout.total_seconds()
-        deadline = time.monotonic() + seconds
-        # The store's wait for its clients counts whole seconds and gives up only past the next
-        # one: asked for a second less, it ends within the timeout.
-        store_timeout = timedelta(seconds=max(seconds - 1, seconds / 2))
-        where = f"{self.master_address}:{self.master_port}"
+        if self._group is not None:
+            return
+        self.bind()
         try:
-            # This rank hosts the store itself: under torchrun, `c10d.rendezvous` would only connect
-            # to the launcher's agent store (TORCHELASTIC_USE_AGENT_STORE) and never meet the engines.
-            store = TCPStore(
-                self.master_address, self.master_port, self.world_size, True, store_timeout, multi_tenant=True
-            )
-        except (RuntimeError, TimeoutError, ValueError) as exc:
-            raise self._failed(f"not all {self.world_size} members reached its store at {where}", exc) from exc
-        try:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the store's own wait used all of it")
             group, _ = c10d._new_process_group_helper(
                 self.world_size,
                 0,
                 [],
                 c10d.Backend(self.backend),
-                c10d.PrefixStore(self.group_name, store),
+                c10d.PrefixStore(self.group_name, self._store),
                 group_name=self.group_name,
-                timeout=timedelta(seconds=left),
+                timeout=self.timeout,
             )
             c10d._set_pg_timeout(self.timeout, group)
         except (RuntimeError, TimeoutError, ValueError) as exc:
-            raise self._failed(f"every member reached its store at {where}, but not all joined the group", exc) from exc
+            seconds = self.timeout.total_seconds()
+            raise TransportError(
+                f"the weight-update group {self.group_name!r} did not form within {seconds:g} s: not all "
+                f"{self.world_size} members joined at {self.master_address}:{self.master_port} "
+                f"(an engine that died or was not asked to join?): {exc}"
+            ) from exc
         c10d._world.pg_group_ranks[group] = {i: i for i in range(self.world_size)}
         self._group = group
 
-    def _failed(self, what: str, cause: Exception) -> TransportError:
-        seconds = self.timeout.total_seconds()
-        return TransportError(
-            f"the weight-update group {self.group_name!r} did not form within {seconds:g} s: {what} "
-            f"(an engine that died or was not asked to join?): {cause}"
-        )
-
     def broadcast(self, tensors: list[Any]) -> None:
-        """Send each tensor from rank 0, in the order the engines were told."""
+        """Enqueue each tensor's broadcast from rank 0, in the order the engines were told; `wait()`
+        (or `close()`) before changing or freeing them."""
         import torch.distributed as dist
 
         if self._group is None:
             raise RuntimeError("join() the weight-update group before broadcasting")
         try:
             for tensor in tensors:
-                dist.broadcast(tensor, src=0, group=self._group)
+                self._pending.append(dist.broadcast(tensor, src=0, group=self._group, async_op=True))
+        except RuntimeError as exc:
+            raise TransportError(f"broadcasting weights over {self.group_name!r} failed: {exc}") from exc
+
+    def wait(self) -> None:
+        """Wait until every enqueued broadcast has completed."""
+        pending, self._pending = self._pending, []
+        try:
+            for work in pending:
+                work.wait()
         except RuntimeError as exc:
             raise TransportError(f"broadcasting weights over {self.group_name!r} failed: {exc}") from exc
 
     def close(self) -> None:
+        """Wait for the enqueued broadcasts, then destroy the group and release the port."""
         import torch.distributed as dist
 
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-            self._group = None
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+            self._store = None

@@ -413,6 +413,21 @@ class DockerSandboxBackend(SandboxBackend):
     `exec_channel` runs commands over a per-sandbox exec channel when the image has a Python
     (its server must say hello within `channel_start_timeout_s`); `settings()["exec_paths"]`
     counts the sandboxes on each path.
+
+    Args:
+        concurrency: Docker API calls at once: the thread pool and the HTTP connection pool
+        pool_size: started containers kept ready per image, resource shape and workspace (0: no warm pool)
+        pool_refill_concurrency: container creations at once while the warm pool refills
+        default_image: the image of a task that names none (patchgym sandbox build-base builds the default offline)
+        network: an existing Docker network that specs allowing network join (null: such specs are refused network)
+        base_url: the Docker engine's address (null: DOCKER_HOST or the local socket)
+        api_timeout_s: seconds one Docker API call may take
+        kill_grace_s: seconds between SIGTERM and SIGKILL when a command's time is up
+        owner: the owner label of this backend's containers (default: user@host); reaping looks at it
+        run_id: the run label of this backend's containers (default: a random id)
+        reap_dead_owners: at start, remove the containers of this owner's processes that have died
+        exec_channel: run commands over one long-lived exec channel per sandbox when the image has a Python
+        channel_start_timeout_s: seconds the exec channel's server has to say hello before docker exec is used
     """
 
     name = "docker"

@@ -288,6 +288,27 @@ class E2BSandboxBackend(SandboxBackend):
     `create_concurrency` bounds creations in flight. A spec with a Dockerfile and no image runs
     the template `patchgym-<hash of Dockerfile, context and resources>`, built once (at most
     `build_concurrency` builds at a time) unless E2B already has it.
+
+    Args:
+        api_key: the E2B API key (default: E2B_API_KEY)
+        domain: the E2B domain (default: E2B_DOMAIN, else e2b.app)
+        api_url: the REST API's address of an E2B-compatible server (self-hosted, or the test fake)
+        sandbox_url: the sandboxes' address of an E2B-compatible server
+        http_version: the HTTP version the SDK speaks (null: the SDK's default)
+        request_timeout_s: seconds one REST request may take
+        sdk_retries: retries of a REST call on 429/502/503/504 by the SDK itself (honouring Retry-After)
+        default_template: the template of a spec that names no image
+        lease_s: the sandbox timeout E2B enforces; renewed while the sandbox is open
+        lease_renew_s: seconds between lease renewals (null: a third of lease_s; 0: no renewal)
+        create_concurrency: sandbox creations in flight
+        create_attempts: tries of one creation when capacity errors outlast the SDK's retries
+        build_concurrency: template builds at once (a spec with a Dockerfile and no image)
+        backoff_base_s: first backoff between creation attempts; doubles each attempt, with jitter
+        backoff_max_s: longest backoff between creation attempts
+        kill_grace_s: seconds between SIGTERM and SIGKILL when a command's time is up
+        exec_margin_s: seconds the SDK call waits beyond a command's own timeout and grace
+        transfer_timeout_s: seconds a file transfer into or out of a sandbox may take
+        run_id: the run label in the sandboxes' metadata (default: a random id)
     """
 
     name = "e2b"

@@ -21,7 +21,8 @@ Isolation (setting `isolation`):
   included. This is NOT a security boundary: a command can read and write anything the user
   can, and one that kills its subreaper can leave processes behind. Use it only for trusted code, or inside a
   container you treat as the boundary.
-- `auto` (default): `bwrap` if bubblewrap is installed and works here, else `none`.
+- `auto` (default): `bwrap`. Where bubblewrap cannot run, the backend refuses to start with an
+  error naming the fix; it never falls back to `none` on its own: `none` must be written.
 CPU, memory and PID limits in the spec are not enforced by this backend. A disk quota per sandbox
 (`disk_quota_mb`) is: a command that takes the sandbox's folder over it is killed (`disk_quota`).
 """
@@ -98,6 +99,11 @@ def _bwrap_argv(options: list[str], command: list[str]) -> list[str]:
     user = ["--unshare-user", "--uid", str(os.getuid()), "--gid", str(os.getgid())]  # unshare made bwrap root
     bwrap = ["bwrap", "--die-with-parent", *user, "--unshare-pid", *options, "--", *command]
     return ["sh", "-c", _PID_NAMESPACE_INIT, PARENT_CHECK, *bwrap]
+
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""Where a sandbox's commands find programs after this interpreter's own directory: the system's
+directories, never the caller's `PATH` (a sandbox's environment does not depend on who started the run)."""
 
 
 def _bwrap_problem() -> str | None:
@@ -204,7 +210,7 @@ class LocalSandbox(Sandbox):
         """Process groups of the commands running now."""
         self.workdir = spec.workdir if bwrap else str(root / "work")
         self._tmp_view = "/tmp" if bwrap else str(root / "tmp")
-        path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+        path = spec.env.get("PATH") or os.pathsep.join([os.path.dirname(sys.executable), SYSTEM_PATH])
         self._env = {
             "HOME": f"{self._tmp_view}/home",
             "TMPDIR": self._tmp_view,
@@ -374,7 +380,15 @@ class LocalSandbox(Sandbox):
 
 
 class LocalSandboxBackend(SandboxBackend):
-    """Sandboxes as workspace copies in temp directories; see the module docstring."""
+    """Sandboxes as workspace copies in temp directories; see the module docstring.
+
+    Args:
+        isolation: bwrap: bubblewrap (refused where it cannot run); none: commands run on the host as you, no
+            isolation (write it explicitly); auto: bwrap, and a clear error where bubblewrap is missing
+        root_dir: where workspace copies are made (default: the temp dir)
+        io_workers: threads for file copies and transfers
+        drain_timeout_s: seconds to collect a command's remaining output after it exits
+    """
 
     name = "local"
 
@@ -392,13 +406,14 @@ class LocalSandboxBackend(SandboxBackend):
         if isolation not in ("auto", "none", "bwrap"):
             raise ConfigError(f"local sandbox isolation must be 'auto', 'none' or 'bwrap', got {isolation!r}")
         problem = _bwrap_problem() if isolation != "none" else None
-        if isolation == "bwrap" and problem:
+        if problem:
             raise ConfigError(
-                f"isolation='bwrap' needs bubblewrap and util-linux's unshare and setpriv working here ({problem}): "
-                "install them (apt-get install bubblewrap util-linux) and allow unprivileged user namespaces, "
-                "or use isolation='none'"
+                f"the local sandbox isolates commands with bubblewrap, which cannot run here ({problem}): install "
+                "bubblewrap and util-linux (apt-get install bubblewrap util-linux) and allow unprivileged user "
+                "namespaces, or, for trusted code only, run commands unisolated on this host by writing "
+                "isolation: none (sandbox: {name: local, options: {isolation: none}}; --sandbox-option isolation=none)"
             )
-        self.isolation = isolation if isolation != "auto" else ("none" if problem else "bwrap")
+        self.isolation = "bwrap" if isolation == "auto" else isolation
         self.root_dir = Path(root_dir) if root_dir else Path(tempfile.gettempdir())
         self.io_workers = io_workers
         self.drain_timeout_s = drain_timeout_s

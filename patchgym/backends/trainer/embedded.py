@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from patchgym.backends.device import resolve_device
 from patchgym.backends.trainer import varlen_attention
 from patchgym.backends.trainer.common import (
     OptimSettings,
@@ -76,7 +77,28 @@ class EmbeddedTrainer:
         dtype: str = "float32",
         seed: int = 0,
         threads: int | None = None,
+        device: str = "auto",
     ) -> None:
+        """`model`: a folder, or a loaded model (used as is).
+
+        Args:
+            model: the policy's Hugging Face folder (the pipeline passes model.path or the tiny model)
+            lr: peak learning rate of AdamW (a stage's sft.lr or grpo.lr replaces it)
+            weight_decay: AdamW's decoupled weight decay
+            betas: AdamW's moment coefficients (beta1, beta2)
+            grad_clip: the gradient's largest global norm (0: no clipping)
+            warmup_steps: optimiser steps of linear warm-up to lr
+            micro_batch_tokens: tokens per forward/backward pass; a step accumulates over its micro-batches
+            packing: pack samples end to end into rows of micro_batch_tokens (else one sample per row)
+            micro_batch_rows: at most this many rows per micro-batch without packing (null: by tokens only)
+            gradient_checkpointing: recompute activations in the backward pass (less memory, more compute)
+            attention: varlen (each packed sample attends on its own), sdpa or eager
+            reference_model: a frozen reference policy's folder, for a KL term (null: none)
+            dtype: weights, gradients and optimiser state: float32 or bfloat16
+            seed: torch's seed at start-up
+            threads: torch CPU threads (null: torch's default, one per core)
+            device: cpu, cuda, cuda:N, rocm, rocm:N, or auto (the first GPU torch sees, else the CPU)
+        """
         if micro_batch_tokens < 2:
             raise ConfigError(f"micro_batch_tokens must be at least 2 (got {micro_batch_tokens})")
         if not hasattr(torch, dtype):
@@ -87,7 +109,8 @@ class EmbeddedTrainer:
         if threads is not None:
             torch.set_num_threads(threads)
         self.dtype = getattr(torch, dtype)
-        self.model = _load_model(model, self.dtype, attention)
+        self.device = resolve_device(device)
+        self.model = _load_model(model, self.dtype, attention).to(self.device)
         self.model.train()
         if gradient_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
@@ -96,7 +119,8 @@ class EmbeddedTrainer:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference = None
         if reference_model is not None:
-            self.reference = _load_model(reference_model, self.dtype, attention).eval().requires_grad_(False)
+            reference = _load_model(reference_model, self.dtype, attention).to(self.device)
+            self.reference = reference.eval().requires_grad_(False)
         self.optim = OptimSettings(lr, weight_decay, betas, grad_clip=grad_clip, warmup_steps=warmup_steps)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, betas=betas, eps=self.optim.eps, weight_decay=weight_decay
@@ -123,6 +147,7 @@ class EmbeddedTrainer:
             "gradient_checkpointing": self.gradient_checkpointing,
             "attention": self.attention,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
             "threads": self.threads or torch.get_num_threads(),
             "worker_threads": 1,
             "reference_model": self.reference is not None,
@@ -153,7 +178,8 @@ class EmbeddedTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            return per_sample_logprobs(self._prepare(batch), self._forward_with(self.model, batch.temperature))
+            forward = self._forward_with(self.model, batch.temperature)
+            return per_sample_logprobs(self._prepare(batch), forward, device=self.device)
         finally:
             self.model.train(was_training)
 
@@ -163,7 +189,7 @@ class EmbeddedTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         reference = self._forward_with(self.reference, batch.temperature) if self.reference is not None else None
         forward = self._forward_with(self.model, batch.temperature)
-        total, sums = accumulate_gradients(batch, loss, forward, reference=reference)
+        total, sums = accumulate_gradients(batch, loss, forward, reference=reference, device=self.device)
         clip = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         lr = self.optim.lr_at(self.step_count)

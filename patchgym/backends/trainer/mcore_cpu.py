@@ -1,13 +1,15 @@
 """Run megatron-core on a machine without a GPU (tests, dry runs on a laptop).
 
 megatron-core 0.16 hard-codes CUDA in a few places: its RNG tracker, the RoPE frequencies
-(`.to(torch.cuda.current_device())`), the default causal mask (`device="cuda"`), buffers in the
+(`.to(torch.cuda.current_device())`), the default causal mask (`device="cuda"`), the device RNG state
+activation recompute saves and restores, buffers in the
 distributed optimizer and gradient clipping (`device='cuda'`, `param.type() ==
 'torch.cuda.FloatTensor'`), the pipeline schedule's receive buffers and syncs
 (`torch.cuda.current_device()`, `torch.cuda.synchronize()`), and three in mixture-of-experts
 layers: the all-to-all token dispatcher creates a `torch.cuda.Stream` for its device-to-host
 copies; the router calls `te_general_gemm`, a name defined only when TransformerEngine imports
-(NameError without it); and the dispatcher turns its split sizes into host arrays only for CUDA
+(NameError without it, on any device: `megatron_moe.router_gemm`, which the trainer applies on
+GPUs too); and the dispatcher turns its split sizes into host arrays only for CUDA
 tensors, so on the CPU `all_to_all_single` gets tensors. `install()` redirects those to the
 CPU, and `active()` is a torch function mode that rewrites CUDA devices to CPU while megatron
 code runs. Both do nothing when a GPU is present: there megatron-core runs unchanged.
@@ -105,6 +107,10 @@ def install() -> None:
     ):
         tracker.add(name, 2718 + offset)
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    # activation recompute saves and restores the device RNG around each recomputed part: the CPU has
+    # none besides torch's own, which megatron saves separately
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     tutils.get_default_causal_mask = _cpu_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
@@ -114,11 +120,11 @@ def install() -> None:
 
 def _install_moe() -> None:
     """The mixture-of-experts parts: no side stream, no TransformerEngine GEMM, host split sizes."""
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # the router then uses torch.mm, as megatron intends without TE
+    from patchgym.backends.trainer.megatron_moe import router_gemm
+
+    router_gemm()  # the trainer does this on every device too
 
     def host_splits(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
         """CPU version of `_maybe_dtoh_and_synchronize`: split sizes as numpy arrays, nothing to sync."""

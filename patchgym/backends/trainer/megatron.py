@@ -5,11 +5,13 @@ factory), or launch them with torchrun (`torchrun --nproc_per_node=N program.py`
 of tp * pp). Every rank builds a `MegatronTrainer`; rank 0 runs the program and calls
 the async `Trainer` methods, which broadcast the call to the other ranks, which sit in
 `follow()`. Collectives time out after `timeout_s`, so a hung rank stops the others with an
-error instead of a hang. Data parallelism splits a batch's micro-batches between the data-parallel ranks;
-gradients are reduced by megatron's `DistributedDataParallel` and the step is taken by its
-(optionally distributed) optimizer. Micro-batches are packed: a block-diagonal causal mask keeps
-attention inside each sample (RoPE is relative, so a sample's offset in its row does not change
-its scores). Per-token log-probs come from `vocab_parallel_cross_entropy` on TP-sharded logits.
+error instead of a hang. Data parallelism splits a batch's samples between the data-parallel ranks by
+tokens (`megatron_batching`, reported as `dp_tokens_max_over_mean`); gradients are reduced by megatron's
+`DistributedDataParallel` and the step is taken by its (optionally distributed, optionally CPU-offloaded)
+optimizer. Micro-batches are packed rows of samples; attention stays inside each sample through
+cu_seqlens (`attention: varlen`, memory linear in tokens) or a block-diagonal causal mask (`dense`),
+as `megatron_attention` explains; `recompute` trades activation memory for time (`megatron_memory`).
+Per-token log-probs come from `vocab_parallel_cross_entropy` on TP-sharded logits.
 
 Pipeline parallelism: each stage builds its share of the layers (megatron-core's split; the
 embedding on the first stage, the final norm and output layer on the last, and with tied
@@ -33,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import os
 import socket
 import threading
@@ -47,9 +48,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from patchgym.backends.trainer import mcore_cpu, megatron_moe
-from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, rng_state, set_rng_state, step_metrics
-from patchgym.backends.trainer.megatron_convert import Layout, shard, unshard
+from patchgym.backends.trainer import (
+    mcore_cpu,
+    megatron_attention,
+    megatron_batching,
+    megatron_checkpoint,
+    megatron_load,
+    megatron_memory,
+    megatron_moe,
+    megatron_sync,
+)
+from patchgym.backends.trainer.common import OptimSettings, TrainerWeights, step_metrics
+from patchgym.backends.trainer.megatron_convert import Layout
 from patchgym.backends.trainer.parallel import MegatronLayout
 from patchgym.core.batch import MicroBatch, TrainBatch
 from patchgym.core.errors import ConfigError
@@ -61,8 +71,6 @@ from patchgym.core.losses import (
     has_gradient,
     micro_batch_loss,
 )
-
-STATE_FILE = "megatron_state_rank{rank}.pt"
 
 
 def _free_port() -> int:
@@ -92,18 +100,6 @@ def bind_device(rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _metas(state: dict[str, torch.Tensor]) -> list[tuple[str, str, list[int]]]:
-    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()]
-
-
-def block_causal_mask(sample_index: torch.Tensor) -> torch.Tensor:
-    """[b, 1, s, s] bool, True where attention is forbidden: other samples or the future."""
-    s = sample_index.shape[1]
-    same = sample_index[:, :, None] == sample_index[:, None, :]
-    causal = torch.ones(s, s, dtype=torch.bool, device=sample_index.device).tril()
-    return ~(same & causal)[:, None]
-
-
 class MegatronTrainer:
     """`Trainer` on megatron-core, loaded from and exported to a Hugging Face model directory."""
 
@@ -122,15 +118,22 @@ class MegatronTrainer:
         warmup_steps: int = 0,
         micro_batch_tokens: int = 8192,
         use_distributed_optimizer: bool = True,
+        attention: str = "varlen",
+        recompute: str = "none",
+        optimizer_cpu_offload: bool = False,
         dtype: str = "float32",
         seed: int = 0,
         timeout_s: float = 600.0,
         stop_timeout_s: float = 60.0,
         threads: int | None = None,
+        sync_bucket_bytes: int = 512 << 20,
     ) -> None:
         """`timeout_s` bounds every collective (a rank that hangs fails the others after it);
         `stop_timeout_s` bounds how long `aclose()` waits for the followers to acknowledge the stop;
-        `threads`: this rank's torch threads (None: torch's default)."""
+        `threads`: this rank's torch threads (None: torch's default). `attention` (varlen or dense,
+        `megatron_attention`), `recompute` (none, selective or full) and `optimizer_cpu_offload`
+        (`megatron_memory`) trade memory for time; `sync_bucket_bytes`: the most bytes of weights one
+        bucket of a streamed weight sync carries (`megatron_sync`)."""
         from transformers import AutoConfig
 
         path = Path(model)
@@ -142,9 +145,23 @@ class MegatronTrainer:
         self.dtype = getattr(torch, dtype)
         self.tp, self.pp, self.ep, self.etp = tp, pp, ep, etp or tp  # experts split over etp ranks (default tp)
         self.micro_batch_tokens = micro_batch_tokens
+        megatron_memory.check_attention(attention)
+        self.attention, self.recompute = attention, recompute
+        self.recompute_config = megatron_memory.recompute_config(recompute)
+        self.offload_config = megatron_memory.offload_config(
+            optimizer_cpu_offload, distributed_optimizer=use_distributed_optimizer, gpu=torch.cuda.is_available()
+        )
+        self.optimizer_cpu_offload = optimizer_cpu_offload
+        self._dp_balance = 1.0
+        self._check_dense_fits()
         self.use_distributed_optimizer = use_distributed_optimizer
         self.timeout_s = timeout_s
         self.stop_timeout_s = stop_timeout_s
+        if sync_bucket_bytes < 1:
+            raise ConfigError(f"sync_bucket_bytes must be at least 1, not {sync_bucket_bytes}")
+        self.sync_bucket_bytes = sync_bucket_bytes
+        self._sync_group = megatron_sync.SyncGroup()
+        self._sync_units: list[megatron_sync.Unit] | None = None
         self.placement: Any = None
         self._stages: list[list[tuple[str, str, list[int]]]] | None = None
         """The follower ranks this rank started (`patchgym.launch.ranks.Placement`), stopped by `aclose()`."""
@@ -190,11 +207,17 @@ class MegatronTrainer:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage()
-        config = self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype, ep=self.ep, etp=self.etp)
+        config = replace(
+            self.layout.transformer_config(tp=self.tp, pp=self.pp, dtype=self.dtype, ep=self.ep, etp=self.etp),
+            **self.recompute_config,
+        )
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.local_experts = self.layout.experts // self.ep
-        spec = megatron_moe.layer_spec(config, self.layout.experts, self.layout.qk_norm)
+        spec = megatron_attention.with_attention(
+            megatron_moe.layer_spec(config, self.layout.experts, self.layout.qk_norm), self.attention
+        )
+        self.router_gemm = megatron_moe.router_gemm() if self.layout.experts else None  # works without TE
         from patchgym.backends.trainer.megatron_convert import rope_theta
 
         gpt = GPTModel(
@@ -231,8 +254,26 @@ class MegatronTrainer:
             use_distributed_optimizer=self.use_distributed_optimizer,
             bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype,
+            **self.offload_config,
         )
         self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
+
+    def _check_dense_fits(self) -> None:
+        """Dense attention's [s, s] scores of one micro-batch must fit in this rank's device memory."""
+        if torch.cuda.is_available():
+            index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+            memory, device = float(torch.cuda.get_device_properties(index).total_memory), f"GPU {index}"
+        else:
+            memory, device = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "the host's memory"
+        megatron_memory.check_dense_fits(
+            attention=self.attention,
+            tokens=self.micro_batch_tokens,
+            heads=self.layout.heads / self.tp,
+            layers=self.hf_config.num_hidden_layers // self.pp,
+            act_bytes=self.dtype.itemsize,
+            device_bytes=memory,
+            device=device,
+        )
 
     def _full_names(self, gpt: Any) -> dict[str, str]:
         """This stage's parameter names -> their names in the whole (unpipelined) model.
@@ -256,25 +297,13 @@ class MegatronTrainer:
         return names
 
     def _load_hf(self, gpt: Any, directory: Path) -> None:
-        from safetensors.torch import load_file
+        """Each rank reads only its shard of the HF weights (`megatron_load`)."""
 
-        hf_state: dict[str, torch.Tensor] = {}
-        for file in sorted(directory.glob("*.safetensors")):
-            hf_state.update(load_file(file))
-        if not hf_state:
-            raise ConfigError(f"no *.safetensors weights in {directory}")
-        full = self.layout.hf_to_mcore(hf_state)
+        def split(name: str) -> tuple[int, int]:
+            return (self.etp, self.etp_rank) if megatron_moe.is_expert(name) else (self.tp, self.tp_rank)
+
         params = {self.names[name]: param for name, param in gpt.named_parameters()}
-        missing = set(params) - set(full)
-        if missing:
-            raise ConfigError(f"the HF weights lack tensors for {sorted(missing)[:5]}")
-        with torch.no_grad():
-            for name, param in params.items():
-                expert = megatron_moe.is_expert(name)
-                part = shard(name, full[name], *((self.etp, self.etp_rank) if expert else (self.tp, self.tp_rank)))
-                if part.shape != param.shape:
-                    raise ConfigError(f"{name}: HF gives {tuple(part.shape)}, the model wants {tuple(param.shape)}")
-                param.copy_(part.to(param.dtype))
+        self.load_bytes = megatron_load.load_params(directory, self.layout, params, split)
 
     def settings(self) -> dict[str, Any]:
         """Every limit and knob of this trainer."""
@@ -287,13 +316,19 @@ class MegatronTrainer:
             "dp": self.dp,
             "world_size": self.world,
             "micro_batch_tokens": self.micro_batch_tokens,
+            "attention": self.attention,
+            "recompute": self.recompute,
+            "optimizer_cpu_offload": self.optimizer_cpu_offload,
             "use_distributed_optimizer": self.use_distributed_optimizer,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "cpu_shim": mcore_cpu.needed(),
+            "hf_load_bytes": self.load_bytes,
+            "moe_router_gemm": self.router_gemm,
             "process_group_timeout_s": self.timeout_s,
             "stop_timeout_s": self.stop_timeout_s,
             "threads": torch.get_num_threads(),
+            "sync_bucket_bytes": self.sync_bucket_bytes,
             "heartbeat_s": self.heartbeat_s,
             "ranks_started_by": "patchgym" if self.placement is not None else "launcher",
             **self.optim.as_dict(),
@@ -302,9 +337,7 @@ class MegatronTrainer:
     # -- compute ----------------------------------------------------------------------------
     def _stage_forward(self, model: Any, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """This stage's output: logits [b, s, v / tp] on the last stage, hidden states elsewhere."""
-        ids = t["input_ids"]
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return model(ids, positions, block_causal_mask(t["sample_index"]))
+        return model(**megatron_attention.model_inputs(t, self.attention))
 
     def _token_stats(
         self, logits: torch.Tensor, ids: torch.Tensor, temperature: float
@@ -332,10 +365,12 @@ class MegatronTrainer:
         return torch.log(both[0]) - both[1] / both[0]
 
     def _my_micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        mbs = TrainBatch(batch.samples, self.micro_batch_tokens, True, batch.pad_id).micro_batches()
-        if self.ep > 1:  # the experts' all-to-all needs as many forward passes on every rank
-            return megatron_moe.balanced_share(mbs, self.dp, self.dp_rank, batch.pad_id)
-        return mbs[self.dp_rank :: self.dp]
+        """This data-parallel rank's packed micro-batches: the batch split between the ranks by tokens."""
+        mbs, split = megatron_batching.rank_share(
+            batch, self.micro_batch_tokens, self.dp, self.dp_rank, equal_counts=self.ep > 1
+        )
+        self._dp_balance = split.max_over_mean
+        return mbs
 
     def _schedule(self, mbs: list[MicroBatch], step: Callable[..., Any], *, forward_only: bool) -> list[Any]:
         """Run megatron-core's forward-backward schedule over `mbs`; the last stage's outputs.
@@ -437,6 +472,7 @@ class MegatronTrainer:
             lr=self.optimizer.param_groups[0]["lr"],
             version=float(self.version),
             optimizer_skipped=float(not stepped),
+            dp_tokens_max_over_mean=self._dp_balance,
         )
 
     def _set_lr(self, lr: float) -> None:
@@ -453,21 +489,12 @@ class MegatronTrainer:
         The last stage's copy of a tied embedding (megatron marks it `shared`) is left out: the
         first stage's is the same tensor.
         """
-        group = self.ps.get_tensor_model_parallel_group()
         out = {}
         for name, param in self.gpt.named_parameters():
             if getattr(param, "shared", False):
                 continue
-            local = param.detach().float().contiguous()
-            if megatron_moe.is_expert(name):
-                gathered = megatron_moe.gather_expert(
-                    name, self.names[name], local, self.ps, self.local_experts, unshard
-                )
-                out.update({k: v.to(self.dtype) for k, v in gathered.items()})
-                continue
-            parts = [torch.empty_like(local) for _ in range(self.tp)]
-            dist.all_gather(parts, local, group=group)
-            out[self.names[name]] = unshard(name, parts).to(self.dtype)
+            gathered = megatron_sync.gather_unit(self, name, param.detach().float().contiguous())
+            out.update({k: v.to(self.dtype, copy=True) for k, v in gathered.items()})  # never a live parameter
         return out
 
     def _full_state(self) -> dict[str, torch.Tensor] | None:
@@ -488,35 +515,47 @@ class MegatronTrainer:
         """The rank that sends this pipeline stage's weights: data-parallel rank 0, tensor rank 0."""
         return self.dp_rank == 0 and self.tp_rank == 0
 
-    def _stage_hf(self) -> dict[str, torch.Tensor] | None:
-        """This stage's HF tensors on its leader (None elsewhere; only its tensor group gathers)."""
-        if self.dp_rank != 0:
-            return None
-        state = self.layout.mcore_to_hf(self._stage_state())
-        return state if self.tp_rank == 0 else None
+    def _units(self) -> list[megatron_sync.Unit]:
+        if self._sync_units is None:
+            self._sync_units = megatron_sync.plan(self)
+        return self._sync_units
 
     def _weight_stages(self) -> list[list[tuple[str, str, list[int]]]] | None:
-        """(name, dtype, shape) of each pipeline stage's HF tensors, in stage order, on rank 0."""
-        state = self._stage_hf()
-        mine = [] if state is None else [(self.ps.get_pipeline_model_parallel_rank(), _metas(state))]
-        gathered = self._to_rank0(mine, True)
+        """(name, dtype, shape) of each pipeline stage's HF tensors, in stage and sending order, on rank 0."""
+        metas = [(name, dtype, list(shape)) for unit in self._units() for name, dtype, shape in unit.hf]
+        gathered = self._to_rank0([(self.ps.get_pipeline_model_parallel_rank(), metas)], self._stage_leader)
         return None if gathered is None else [metas for _, metas in sorted(gathered)]
 
-    def _broadcast_stages(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
-        """Each stage leader joins its stage's weight-update group as rank 0 and broadcasts its buckets."""
-        from patchgym.backends.inference.weight_group import WeightBroadcaster
-
-        state = self._stage_hf()
-        if state is None:
-            return
+    def _open_weight_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """Each stage leader binds its stage's group (held from then on); the settings with the bound
+        ports, on rank 0."""
         stage = self.ps.get_pipeline_model_parallel_rank()
-        broadcaster = WeightBroadcaster(**groups[stage])
-        broadcaster.join()
+        port = self._sync_group.open(groups[stage]).master_port if self._stage_leader else 0
+        bound = self._to_rank0([(stage, port)], self._stage_leader)
+        return None if bound is None else [{**groups[s], "master_port": p} for s, p in sorted(bound)]
+
+    def _broadcast_stages(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> list[dict] | None:
+        """Every rank of each stage gathers its buckets' tensors; the stage leader joins (or reuses) its
+        stage's weight-update group as rank 0 and streams them (`megatron_sync`). Each leader's
+        `SyncStats`, on rank 0."""
+        stage = self.ps.get_pipeline_model_parallel_rank()
+        broadcaster = None
+        if self._stage_leader:
+            broadcaster = self._sync_group.open(groups[stage])
+            try:
+                broadcaster.join()
+            except Exception:
+                self._sync_group.close()
+                raise
         try:
-            for bucket in buckets[stage]:
-                broadcaster.broadcast([state[name] for name in bucket])
-        finally:
-            broadcaster.close()
+            stats = megatron_sync.Streamer(self, self._units(), broadcaster).run(buckets[stage])
+        except Exception:
+            if broadcaster is not None:
+                self._sync_group.close()  # the next sync forms a new group
+            raise
+        mine = [{"stage": stage, **stats.as_dict()}] if self._stage_leader else []
+        gathered = self._to_rank0(mine, self._stage_leader)
+        return None if gathered is None else sorted(gathered, key=lambda s: s["stage"])
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         state = self._full_state()
@@ -534,34 +573,14 @@ class MegatronTrainer:
         return directory
 
     def _save(self, directory: Path) -> None:
-        self._export(directory / "model")
-        state = {
-            "version": self.version,
-            "step": self.step_count,
-            # this rank's torch optimizers: its shard's moments and step counts, exactly
-            "optimizers": [o.optimizer.state_dict() for o in self._optimizers()],
-            "rng": rng_state(),
-        }
-        torch.save(state, directory / STATE_FILE.format(rank=self.rank))
-        if self.rank == 0:
-            (directory / "megatron.json").write_text(json.dumps(self.settings()))
-        dist.barrier()
+        megatron_checkpoint.save(self, directory)
 
     def _optimizers(self) -> list[Any]:
         """The optimizers a megatron `ChainedOptimizer` holds (or the optimizer itself)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _load(self, directory: Path) -> None:
-        path = directory / STATE_FILE.format(rank=self.rank)
-        if not path.is_file():
-            raise ConfigError(f"{directory} is not a megatron checkpoint for this world size (no {path.name})")
-        self._load_hf(self.gpt, directory / "model")
-        state = torch.load(path, weights_only=False)
-        for optimizer, saved in zip(self._optimizers(), state["optimizers"], strict=True):
-            optimizer.optimizer.load_state_dict(saved)
-        self.model.zero_grad_buffer()
-        set_rng_state(state["rng"])
-        self.version, self.step_count = state["version"], state["step"]
+        megatron_checkpoint.load(self, directory)
 
     # -- rank 0 drives, the others follow ----------------------------------------------------
     def _execute(self, command: str, args: tuple) -> Any:
@@ -571,6 +590,7 @@ class MegatronTrainer:
             "hf_state": self._hf_state,
             "weight_stages": self._weight_stages,
             "broadcast_stages": self._broadcast_stages,
+            "open_weight_groups": self._open_weight_groups,
             "export": self._export,
             "save": self._save,
             "load": self._load,
@@ -611,6 +631,7 @@ class MegatronTrainer:
             dist.broadcast_object_list(message, src=0)
             command, args = message[0]
             if command == "stop":
+                self._sync_group.close()
                 return
             if command != "ping":
                 self._execute(command, args)
@@ -648,14 +669,25 @@ class MegatronTrainer:
             self._stages = await self._run("weight_stages")
         return self._stages
 
-    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> None:
+    async def open_weight_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Stage s's leader binds `groups[s]` (`WeightBroadcaster` settings; `master_port` 0: a port it
+        picks) and holds it; the settings with the ports bound, to tell the engines."""
+        return await self._run("open_weight_groups", groups)
+
+    async def broadcast_weights(self, groups: list[dict[str, Any]], buckets: list[list[list[str]]]) -> list[dict]:
         """Stage s's leader joins `groups[s]` (`WeightBroadcaster` settings: rank 0 of a group the
-        engines join) and broadcasts `buckets[s]` (lists of names from `weight_stages()`) in order."""
-        await self._run("broadcast_stages", groups, buckets)
+        engines join; kept for the next sync with the same settings) and streams `buckets[s]` (lists
+        of names from `weight_stages()`) in order; each stage's `SyncStats` as a dict."""
+        return await self._run("broadcast_stages", groups, buckets)
 
     async def save(self, directory: Path) -> None:
-        """Weights (HF format) plus each rank's optimizer state and RNG state."""
+        """A resumable distributed checkpoint (`megatron_checkpoint`): sharded model and optimizer
+        (float32 main parameters included), written by every rank; no HF export (see `export`)."""
         await self._run("save", Path(directory))
+
+    async def export(self, directory: Path) -> Path:
+        """The current weights as a Hugging Face model directory (written by rank 0)."""
+        return await self._run("export", Path(directory))
 
     async def load(self, directory: Path) -> None:
         await self._run("load", Path(directory))
@@ -681,6 +713,7 @@ class MegatronTrainer:
                 with contextlib.suppress(TimeoutError, RuntimeError):
                     await asyncio.wait_for(stop, self.stop_timeout_s)
         finally:
+            self._sync_group.close()
             if self.placement is not None:
                 await asyncio.to_thread(self.placement.stop)
             self._executor.shutdown(wait=self.placement is None)

@@ -16,6 +16,7 @@ per-expert names (what `from_pretrained` and SGLang load).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -122,12 +123,13 @@ class Layout:
         )
 
     # -- names and shapes ------------------------------------------------------------------
-    def _qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        per = self.heads // self.groups
+    def _qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int | None = None) -> torch.Tensor:
+        """megatron's qkv from HF's q, k, v projections (of `groups` query groups: all, or a TP rank's)."""
+        per, groups = self.heads // self.groups, groups or self.groups
         rest = q.shape[1:]
-        q = q.reshape(self.groups, per * self.head_dim, *rest)
-        k = k.reshape(self.groups, self.head_dim, *rest)
-        v = v.reshape(self.groups, self.head_dim, *rest)
+        q = q.reshape(groups, per * self.head_dim, *rest)
+        k = k.reshape(groups, self.head_dim, *rest)
+        v = v.reshape(groups, self.head_dim, *rest)
         return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,39 +187,52 @@ class Layout:
 
     def mcore_to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF tensors (the names transformers and SGLang load) from full megatron tensors: of the
-        whole model, or of the part one pipeline stage holds (its layers, and the embedding or the
-        final norm and output layer where that stage has them)."""
-        out = {}
-        if "embedding.word_embeddings.weight" in state:
-            out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"]
-        if "decoder.final_layernorm.weight" in state:
-            out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
-        if not self.tied and "output_layer.weight" in state:
-            out["lm_head.weight"] = state["output_layer.weight"]
-        layers = sorted({int(k.split(".")[2]) for k in state if k.startswith("decoder.layers.")})
-        for i in layers:
-            h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-            attn = h + "self_attn."
-            out[h + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
-            for p, t in zip("qkv", self._split_qkv(state[m + "self_attention.linear_qkv.weight"]), strict=True):
-                out[f"{attn}{p}_proj.weight"] = t
-            if self.qkv_bias:
-                for p, t in zip("qkv", self._split_qkv(state[m + "self_attention.linear_qkv.bias"]), strict=True):
-                    out[f"{attn}{p}_proj.bias"] = t
-            if self.qk_norm:
-                out[attn + "q_norm.weight"] = state[m + "self_attention.q_layernorm.weight"]
-                out[attn + "k_norm.weight"] = state[m + "self_attention.k_layernorm.weight"]
-            out[attn + "o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
-            out[h + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
-            if self.experts:
-                out[h + "mlp.gate.weight"] = state[m + "mlp.router.weight"]
-                mlps = [(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.") for e in range(self.experts)]
-            else:
-                mlps = [(m + "mlp.", h + "mlp.")]
-            for x, hx in mlps:
-                out[hx + "gate_proj.weight"], out[hx + "up_proj.weight"] = state[x + "linear_fc1.weight"].chunk(2)
-                out[hx + "down_proj.weight"] = state[x + "linear_fc2.weight"]
-        return {k: v.contiguous() for k, v in out.items()}
+        whole model, or any part of it (one pipeline stage's, one tensor's)."""
+        return {k: v for name, tensor in state.items() for k, v in self.tensor_to_hf(name, tensor).items()}
+
+    def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The HF tensors one full megatron tensor holds (none for a tied output layer), contiguous."""
+        return {k: v.contiguous() for k, v in self._to_hf(name, tensor).items()}
+
+    def _to_hf(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        whole = {
+            "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+            "decoder.final_layernorm.weight": "model.norm.weight",
+        }
+        if name in whole:
+            return {whole[name]: t}
+        if name == "output_layer.weight":
+            return {} if self.tied else {"lm_head.weight": t}
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            raise ConfigError(f"no HF tensor for the megatron tensor {name!r}")
+        h, rest = f"model.layers.{match[1]}.", match[2]
+        attn = h + "self_attn."
+        if rest.startswith("self_attention.linear_qkv."):
+            kind = rest.rsplit(".", 1)[1]  # weight or bias
+            return {f"{attn}{p}_proj.{kind}": x for p, x in zip("qkv", self._split_qkv(t), strict=True)}
+        expert = _EXPERT.fullmatch(rest)
+        mlp = f"{h}mlp.experts.{expert[1]}." if expert else h + "mlp."
+        if rest.endswith("linear_fc1.weight"):
+            gate, up = t.chunk(2)
+            return {mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up}
+        if rest.endswith("linear_fc2.weight"):
+            return {mlp + "down_proj.weight": t}
+        simple = {
+            "input_layernorm.weight": h + "input_layernorm.weight",
+            "self_attention.q_layernorm.weight": attn + "q_norm.weight",
+            "self_attention.k_layernorm.weight": attn + "k_norm.weight",
+            "self_attention.linear_proj.weight": attn + "o_proj.weight",
+            "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
+            "mlp.router.weight": h + "mlp.gate.weight",
+        }
+        if rest not in simple:
+            raise ConfigError(f"no HF tensor for the megatron tensor {name!r}")
+        return {simple[rest]: t}
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc[12]\.weight")
 
 
 def fuse_experts(hf_state: dict[str, torch.Tensor], layers: int, experts: int) -> dict[str, torch.Tensor]:

@@ -1,10 +1,11 @@
-"""Expert parallelism in the Megatron trainer: expert numbering, gathering, and balanced micro-batches.
+"""Expert parallelism in the Megatron trainer: expert numbering and balanced micro-batches.
 
 With expert parallel size `ep`, each rank of an expert-parallel group holds a contiguous block of
 `num_experts / ep` experts, named `local_experts.0..` inside the rank; full (HF-convertible) names
 number them globally. Tokens reach their experts through an all-to-all in every MoE layer, so all
 ranks of an expert-parallel group must run the same number of forward passes: ranks that would
-have fewer micro-batches get empty ones (no trained tokens, so no loss and no gradient).
+have fewer micro-batches get empty ones (no trained tokens, so no loss and no gradient;
+`megatron_batching.rank_share`).
 Megatron's MoE layers refuse to train with tensor parallelism unless sequence parallelism is on,
 which splits each micro-batch's sequence between the TP ranks: sequences are padded to a multiple
 of tp at the end (padding has sample index -1 and loss mask 0, so spans and losses are unchanged).
@@ -18,9 +19,7 @@ import re
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from patchgym.core.batch import MicroBatch
 from patchgym.core.errors import ConfigError
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -35,37 +34,26 @@ def global_expert_name(name: str, ep_rank: int, local_count: int) -> str:
     return _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{ep_rank * local_count + int(m[1])}.", name)
 
 
-def _renumber(full_name: str, local_name: str, ep_rank: int, local_count: int) -> str:
+def renumber_expert(full_name: str, local_name: str, ep_rank: int, local_count: int) -> str:
     """`full_name` (this rank's expert) as the same local expert of expert-parallel rank `ep_rank`."""
     index = ep_rank * local_count + int(_LOCAL_EXPERT.search(local_name)[1])
     return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{index}.", full_name)
 
 
-def gather_expert(
-    name: str, full_name: str, local: torch.Tensor, ps: Any, local_count: int, unshard: Any
-) -> dict[str, torch.Tensor]:
-    """One local expert tensor (`name` in this stage, `full_name` in the whole model), whole over
-    expert-TP, from every expert-parallel rank, keyed by full names."""
-    tp_group = ps.get_expert_tensor_parallel_group()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, local, group=tp_group)
-    whole = unshard(name, parts)
-    ep_group = ps.get_expert_model_parallel_group()
-    blocks = [torch.empty_like(whole) for _ in range(dist.get_world_size(ep_group))]
-    dist.all_gather(blocks, whole, group=ep_group)
-    return {_renumber(full_name, name, rank, local_count): block for rank, block in enumerate(blocks)}
+def router_gemm() -> str:
+    """Make megatron's MoE router work without TransformerEngine, on any device; the GEMM it uses
+    ("transformer_engine" or "torch").
 
+    megatron-core 0.16's router (`moe_utils.router_gating_linear`) tests `te_general_gemm is not
+    None` to choose TransformerEngine's GEMM, but the name is only defined when TransformerEngine
+    imports: without it the first MoE forward raises NameError. Defining it as None selects the
+    `torch.mm` path megatron has for that case (the same routing, in `moe_router_dtype`).
+    """
+    from megatron.core.transformer.moe import moe_utils
 
-def empty_micro_batch(pad_id: int) -> MicroBatch:
-    """One padding token: a forward pass that trains nothing and yields no log-probs."""
-    return MicroBatch([[pad_id]], [[0]], [[0]], [[0.0]], [[0.0]], [[-1]], {})
-
-
-def balanced_share(mbs: list[MicroBatch], dp: int, dp_rank: int, pad_id: int) -> list[MicroBatch]:
-    """This data-parallel rank's micro-batches, padded with empty ones to the largest rank's count."""
-    mine = mbs[dp_rank::dp]
-    most = -(-len(mbs) // dp)
-    return mine + [empty_micro_batch(pad_id) for _ in range(most - len(mine))]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return "torch" if moe_utils.te_general_gemm is None else "transformer_engine"
 
 
 def pad_sequence(t: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:

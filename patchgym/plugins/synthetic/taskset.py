@@ -31,7 +31,13 @@ def _tests(value: Any) -> tuple[str, ...]:
 
 
 class SyntheticTaskSet(LoadedTaskSet):
-    """The instances in `path/instances.jsonl`, each on its snapshot in `path/snapshots/`."""
+    """The instances in `path/instances.jsonl`, each on its snapshot in `path/snapshots/`.
+
+    Args:
+        path: the folder `patchgym tasks generate` wrote (instances.jsonl and snapshots/)
+        name: the set's name in events and reports (default: the folder's name)
+        test_timeout_s: seconds the test command of one grading may run
+    """
 
     def __init__(self, path: str | Path, name: str | None = None, test_timeout_s: float = 600.0) -> None:
         self.path = Path(path)

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from patchgym.cli_options import parse_options
 from patchgym.core.errors import ConfigError
 from patchgym.core.plugins import registry
 from patchgym.plugins.swe_data import load_rows, require
@@ -115,7 +116,6 @@ def build_images_command(
     missing = [name for name in ("swebench", "uv", "docker") if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"build-images needs {', '.join(missing)}: pip install 'patchgym[swebench,docker]'")
-    from patchgym.cli import parse_options
     from patchgym.plugins.swebench_images.build import BuildSettings, ImageBuilder
     from patchgym.plugins.swebench_images.sources import RepoSources
 

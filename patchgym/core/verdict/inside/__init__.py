@@ -1,0 +1,1 @@
+"""Scripts the grader copies into a sandbox (standard library only, Python >= 3.6)."""
