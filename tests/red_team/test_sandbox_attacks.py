@@ -165,7 +165,7 @@ async def test_an_agent_that_ends_its_docker_sandbox_is_scored_not_retried(docke
 async def test_a_killer_left_behind_ends_the_sandbox_between_commands(docker_backend: Any) -> None:
     """The background killer escapes the command's process group and ends the container while no
     command runs: the next command finds it stopped, and that is still the agent's doing."""
-    killer = "setsid sh -c 'sleep 1; kill -9 -1' >/dev/null 2>&1 < /dev/null &"
+    killer = "setsid sh -c 'sleep 2; kill -9 -1' >/dev/null 2>&1 < /dev/null & sleep 1"  # 1 s to leave the group
     info = await play(docker_backend, [killer, "sleep 4", "sleep 1"])
     assert info["infra_error"] is None, info["infra_error"]
     assert (info["termination"], info["reward"]) == (AGENT_KILLED_SANDBOX, 0.0), info
