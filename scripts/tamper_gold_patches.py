@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,14 +136,24 @@ def main() -> None:
     args = parser.parse_args()
     patches = itertools.chain(fixture_rows(), *(history(repo, args.commits) for repo in args.repo))
     flagged = total = 0
+    seconds: list[float] = []
     for name, changes, pristine in patches:
         total += 1
+        started = time.perf_counter()
         findings = tamper_findings(changes, pristine=pristine)
+        seconds.append(time.perf_counter() - started)
         if findings:
             flagged += 1
             print(name, json.dumps([f.as_dict() for f in findings[:5]]))
-    counts = {"patches": total, "flagged": flagged}
-    print(json.dumps(counts) if args.json else f"{flagged} of {total} gold patches flagged (false positives)")
+    seconds.sort()
+    median, worst = (seconds[len(seconds) // 2], seconds[-1]) if seconds else (0.0, 0.0)
+    counts = {"patches": total, "flagged": flagged, "check_median_s": round(median, 4), "check_max_s": round(worst, 4)}
+    print(
+        json.dumps(counts)
+        if args.json
+        else f"{flagged} of {total} gold patches flagged (false positives); "
+        f"check time per patch: median {median * 1000:.1f} ms, max {worst * 1000:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A torchrun program for the Megatron checkpoint tests: train, checkpoint, go on; or resume and go on.
 
-Run: torchrun --nproc_per_node=N tests/megatron_ckpt_worker.py MODEL_DIR OUT_DIR DTYPE [CHECKPOINT]
+Run: torchrun --nproc_per_node=N tests/megatron_ckpt_worker.py MODEL_DIR OUT_DIR DTYPE EP [CHECKPOINT]
 
 Without CHECKPOINT: BEFORE GRPO steps, a checkpoint in OUT_DIR/ckpt, then AFTER more steps. With
 one: a new trainer loads it and takes the same AFTER steps. Either way OUT_DIR/result.json holds
@@ -41,9 +41,9 @@ async def drive(trainer: MegatronTrainer, out: Path, checkpoint: Path | None) ->
 
 
 def main() -> None:
-    model, out, dtype = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-    checkpoint = Path(sys.argv[4]) if len(sys.argv) > 4 else None
-    trainer = MegatronTrainer(model, lr=LR, micro_batch_tokens=MICRO_BATCH_TOKENS, dtype=dtype)
+    model, out, dtype, ep = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    checkpoint = Path(sys.argv[5]) if len(sys.argv) > 5 else None
+    trainer = MegatronTrainer(model, lr=LR, micro_batch_tokens=MICRO_BATCH_TOKENS, dtype=dtype, ep=ep)
     if trainer.rank == 0:
         asyncio.run(drive(trainer, out, checkpoint))
     else:

@@ -13,12 +13,12 @@ pytest.importorskip("megatron.core")
 
 from patchgym.backends.trainer import megatron_checkpoint  # noqa: E402
 from patchgym.core.errors import ConfigError  # noqa: E402
-from tests.tiny_models import tiny_qwen3  # noqa: E402
+from tests.tiny_models import tiny_qwen3, tiny_qwen3_moe  # noqa: E402
 from tests.torchrun_launch import torchrun_json  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_ckpt_worker.py")
 TORCHRUN_TIMEOUT_S = 900
-pytestmark = pytest.mark.timeout(4 * TORCHRUN_TIMEOUT_S + 300)
+pytestmark = pytest.mark.timeout(6 * TORCHRUN_TIMEOUT_S + 300)
 SAFETY = 2
 """DP2 resumed from a DP1 checkpoint may differ from DP1 by SAFETY times what the two layouts measurably
 differ by (the same steps from the same initial weights: data-parallel gradient sums in another order),
@@ -26,8 +26,8 @@ at least bf16's relative rounding of the compared quantity."""
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
-def torchrun(model: Path, out: Path, nproc: int, *checkpoint: Path) -> dict:
-    return torchrun_json(WORKER, out, nproc, model, out, "bfloat16", *checkpoint, timeout_s=TORCHRUN_TIMEOUT_S)
+def torchrun(model: Path, out: Path, nproc: int, *checkpoint: Path, ep: int = 1) -> dict:
+    return torchrun_json(WORKER, out, nproc, model, out, "bfloat16", ep, *checkpoint, timeout_s=TORCHRUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     runs["resumed"] = torchrun(model, base / "resumed", 1, checkpoint)
     runs["dp2"] = torchrun(model, base / "dp2", 2)
     runs["dp2_from_dp1"] = torchrun(model, base / "dp2_from_dp1", 2, checkpoint)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny Qwen3-MoE at EP2 (two ranks, the experts split): megatron chains a dense and an expert
+    optimizer, each checkpointed with its own state."""
+    base = tmp_path_factory.mktemp("megatron_ckpt_moe")
+    model = tiny_qwen3_moe(base / "model")
+    runs = {"base": base, "model": model, "ep2": torchrun(model, base / "ep2", 2, ep=2)}
+    runs["resumed"] = torchrun(model, base / "resumed", 2, base / "ep2" / "ckpt", ep=2)
     return runs
 
 
@@ -59,6 +70,14 @@ def test_bf16_resume_equals_the_uninterrupted_run(runs: dict) -> None:
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The Euclidean distance between two sets of weights (every tensor, in float32)."""
     return sum((a[k].float() - b[k].float()).pow(2).sum().item() for k in a) ** 0.5
+
+
+def test_moe_ep2_bf16_resume_equals_the_uninterrupted_run(moe: dict) -> None:
+    assert moe["resumed"]["settings"]["ep"] == 2
+    for a, b in zip(moe["ep2"]["steps"], moe["resumed"]["steps"], strict=True):
+        assert (a["loss"], a["grad_norm"], a["version"]) == (b["loss"], b["grad_norm"], b["version"])
+    straight, resumed = exported(moe, "ep2"), exported(moe, "resumed")
+    assert set(straight) == set(resumed) and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 def test_a_dp1_checkpoint_resumes_at_dp2(runs: dict) -> None:

@@ -86,3 +86,16 @@ def test_a_missing_tensor_is_named(tmp_path: Path) -> None:
     layout, _ = whole_model(tiny_qwen3(tmp_path / "ref"))
     with SafetensorsDir(directory) as weights, pytest.raises(ConfigError, match="lack model.layers.1.self_attn.k_proj"):
         dict(read_shard(weights, layout, {"decoder.layers.1.self_attention.linear_qkv.weight": (1, 0)}))
+
+
+def test_experts_in_transformers_fused_layout_on_disk(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from patchgym.backends.trainer.megatron_convert import fuse_experts
+
+    directory = tiny_qwen3_moe(tmp_path / "m")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    fused = fuse_experts(load_file(directory / "model.safetensors"), config.num_hidden_layers, config.num_experts)
+    save_file({k: v.contiguous() for k, v in fused.items()}, str(directory / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(directory / "model.safetensors")
+    check_every_rank(directory, tp=2, etp=2)

@@ -51,14 +51,14 @@ def labelled(root: Path, run_id: str) -> list[Path]:
 def test_full_run_writes_events_checkpoints_and_a_report(tmp_path: Path) -> None:
     from patchgym.cli import app
 
-    result = CliRunner().invoke(app, ["run", str(write_config(tmp_path, steps=2))])
+    result = CliRunner().invoke(app, ["run", str(write_config(tmp_path, steps=3, changes={"export_every": 2}))])
     assert result.exit_code == 0, result.output
     run = tmp_path / "run"
     evals = {e["stage"]: e for e in read_events(run, "eval")}
     assert set(evals) == {"base", "sft", "grpo"} and all(e["tasks"] == 2 for e in evals.values())
     steps = read_events(run, "step")
-    assert [s["step"] for s in steps] == [1, 2]
-    check_grpo_accounting(run, steps=2)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    check_grpo_accounting(run, steps=3)
     for step in steps:
         parts = {"actor_update_s", "rollout_wait_s", "weight_sync_s", "orchestration_s"}
         assert set(step["timings"]) == {*parts, "step_s"}
@@ -73,8 +73,12 @@ def test_full_run_writes_events_checkpoints_and_a_report(tmp_path: Path) -> None
     sft = read_events(run, "sft_traces")[0]
     assert sft["made"] == 4 and sft["kept"] == 4  # the oracle replays all succeed
     state = json.loads((run / "state.json").read_text())
-    assert state["stages_done"] == ["eval-base", "sft", "eval-sft", "grpo", "eval-grpo"] and state["grpo_step"] == 2
+    assert state["stages_done"] == ["eval-base", "sft", "eval-sft", "grpo", "eval-grpo"] and state["grpo_step"] == 3
     assert (run / "checkpoints" / "latest").is_dir() and list((run / "tensorboard").iterdir())
+    # HF exports apart from the checkpoints: after SFT, every export_every GRPO steps and at the end
+    exports = [e["name"] for e in read_events(run, "export")]
+    assert exports == ["sft", "grpo-step-2", "grpo-step-3"]
+    assert all((run / "exports" / name / "config.json").is_file() for name in exports)
     assert "held-out evaluation" in result.output
     for stage, found in evals.items():  # each evaluation's pass@1 on the console as it ends
         assert f"eval ({stage}): pass@1 {found['pass_at_1']:.1%}, pass@1 " in result.output
@@ -83,7 +87,7 @@ def test_full_run_writes_events_checkpoints_and_a_report(tmp_path: Path) -> None
     assert not transformers_logging.is_progress_bar_enabled()  # no third-party bars at loads and checkpoints
     assert "it/s]" not in result.output and "it/s]" not in (run / "library.log").read_text()
     # no terminal: plain progress lines (stderr) instead of live bars
-    assert "grpo: step 2/2" in result.output and "eval (grpo): episode 2/2" in result.output
+    assert "grpo: step 3/3" in result.output and "eval (grpo): episode 2/2" in result.output
     report = CliRunner().invoke(app, ["report", str(run), str(run)])
     assert report.exit_code == 0, report.output
     assert all((run / "report" / name).exists() for name in ("reward.png", "step_time.png", "lengths.png"))
@@ -151,5 +155,14 @@ def test_resume_after_sigkill_loses_and_repeats_nothing(tmp_path: Path) -> None:
     drawn = drawn_task_ids(run)
     assert drawn == Counter(next(stream).id for _ in range(drawn.total()))
     assert [e["event"] for e in read_events(run, "run")] == ["start", "resume", "reaped", "end"]
+    # The engines serve the checkpoint's policy from the first episode on: the resume syncs the loaded
+    # weights as the checkpoint's version before any rollout, and every later sync counts on from there.
+    events = read_events(run)
+    after = events[next(i for i, e in enumerate(events) if e.get("event") == "resume") :]
+    first_sync = next(i for i, e in enumerate(after) if e["kind"] == "weight_sync")
+    assert after[first_sync]["version"] == state["version"]
+    assert not any(e["kind"] == "trajectory" for e in after[:first_sync])
+    versions = [e["version"] for e in after if e["kind"] == "weight_sync"]
+    assert versions == list(range(state["version"], state["version"] + len(versions)))
     assert "base" in resumed.stdout and "grpo" in resumed.stdout  # the table covers every stage
     assert json.loads((run / "state.json").read_text())["grpo_step"] == 4

@@ -35,6 +35,7 @@ import shlex
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +44,7 @@ from patchgym.core.grading import zero_grade
 from patchgym.core.sandbox import Sandbox, SandboxBackend
 from patchgym.core.tamper import tamper_findings
 from patchgym.core.tasks import Grade, Grader, Task, start_task_sandbox
-from patchgym.core.tree_diff import FileChange, remove_tree, tree_changes, tree_paths
+from patchgym.core.tree_diff import FileChange, TreeTooLarge, remove_tree, tree_changes, tree_paths
 from patchgym.core.tree_limits import TreeLimitExceeded, check_tree, measure_tree
 
 GRADING_LABEL = {"role": "grading"}
@@ -164,7 +165,12 @@ class FreshSandboxGrader(Grader):
                 for outcome in downloads:
                     if isinstance(outcome, BaseException):
                         raise outcome
-                changes = await asyncio.to_thread(tree_changes, pristine, agent, self.inner.is_test_path)
+                compare = partial(tree_changes, max_extra_bytes=self.max_diff_bytes)
+                try:
+                    changes = await asyncio.to_thread(compare, pristine, agent, self.inner.is_test_path)
+                except TreeTooLarge as exc:  # grew after it was measured (a process left running)
+                    message = f"{exc} (max_diff_bytes {self.max_diff_bytes})"
+                    raise _Verdict(zero_grade("diff_too_large", message=message)) from None
                 pristine_paths = await asyncio.to_thread(tree_paths, pristine)
             finally:
                 await asyncio.to_thread(remove_tree, Path(scratch))

@@ -62,6 +62,10 @@ def _entries(root: Path) -> dict[str, os.stat_result]:
     return found
 
 
+def _file_bytes(entries: dict[str, os.stat_result]) -> int:
+    return sum(info.st_size for info in entries.values() if stat.S_ISREG(info.st_mode))
+
+
 def _content(path: Path, info: os.stat_result) -> tuple[bytes | None, str | None]:
     if stat.S_ISLNK(info.st_mode):
         return None, os.readlink(path)
@@ -70,9 +74,21 @@ def _content(path: Path, info: os.stat_result) -> tuple[bytes | None, str | None
     return None, None  # a FIFO or socket carries nothing into the fresh sandbox
 
 
-def tree_changes(pristine: Path, changed: Path, skip: Callable[[str], bool]) -> list[FileChange]:
-    """Files that differ between two trees (content, link target or executable bit), minus `skip`ped paths."""
+class TreeTooLarge(Exception):
+    """The changed tree holds more bytes than the pristine one plus the allowance: nothing was read."""
+
+
+def tree_changes(
+    pristine: Path, changed: Path, skip: Callable[[str], bool], *, max_extra_bytes: int | None = None
+) -> list[FileChange]:
+    """Files that differ between two trees (content, link target or executable bit), minus `skip`ped
+    paths. With `max_extra_bytes`, a changed tree whose regular files hold more than that beyond the
+    pristine tree's is refused (`TreeTooLarge`) before any file is read into memory."""
     before, after = _entries(pristine), _entries(changed)
+    if max_extra_bytes is not None:
+        extra = _file_bytes(after) - _file_bytes(before)
+        if extra > max_extra_bytes:
+            raise TreeTooLarge(f"the downloaded tree holds {extra} bytes more than the task's")
     changes: list[FileChange] = []
     for relative in sorted(before.keys() | after.keys()):
         if skip(relative):

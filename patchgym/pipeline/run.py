@@ -543,14 +543,16 @@ class Pipeline:
             **{k: v for k, v in batch.metrics.items() if k != "rollout_wait_s"},
         )
         last = self.state.grpo_step == self.config.grpo.steps
-        every = self.config.export_every
-        if last or (every is not None and self.state.grpo_step % every == 0):  # before the checkpoint: a resume
-            await self._export(f"grpo-step-{self.state.grpo_step}")  # from it does not redo this export
-        if self.state.grpo_step % self.config.checkpoint_every == 0 or last:
+        checkpoint = self.state.grpo_step % self.config.checkpoint_every == 0 or last
+        if checkpoint:  # the rollouts' state as of this step's event, before anything else awaits
             self.state.tasks_drawn = stream.drawn
             self.state.pending = [g.task.id for g in manager.pending_groups()]
             self.state.queued = [t.id for t in manager.queued_tasks()]
             self.state.rollout = manager.tally.state_dict()
+        every = self.config.export_every
+        if last or (every is not None and self.state.grpo_step % every == 0):  # before the checkpoint: a resume
+            await self._export(f"grpo-step-{self.state.grpo_step}")  # from it does not redo this export
+        if checkpoint:
             await self._checkpoint()
 
     # -- the whole run -----------------------------------------------------------------------

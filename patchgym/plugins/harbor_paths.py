@@ -161,7 +161,7 @@ def protected_changes(
         # a leaf change (nothing listed under it: not merely a parent of other changes) to a
         # folder that holds protected paths replaced the folder (a link, a deletion)
         leaf = not any(other.startswith(path.rstrip("/") + "/") for other in listed)
-        hit = hit or (leaf and kind != 1 and any(_holds_protected(name, protected) for name in names))
+        hit = hit or (leaf and any(_holds_protected(name, protected) for name in names))
         if hit:
             touched.append(path)
     return touched

@@ -4,9 +4,10 @@
 keeps them for the next sync, tells the receiver each bucket's names, dtypes and shapes in order,
 leaves them on failure), but the receiving rank is a plain process (`python -m
 patchgym.testing.weight_receiver`) that joins the groups as SGLang's engine ranks do (a TCP
-rendezvous at the sender, keys prefixed by the group name), receives each bucket into fresh
-tensors and keeps the last of each name. It reads one JSON command per line and answers one:
-`join`, `receive`, `save` (a safetensors file of what it holds), `destroy`.
+rendezvous at the sender, keys prefixed by the group name) and receives each bucket into the
+tensors it holds by name (as an engine loads into its weights; allocated at the first sync). It
+reads one JSON command per line and answers one, in order: `join`, `receive`, `save` (a
+safetensors file of what it holds), `destroy`.
 
     engine = ReceiverEngine(weight_bucket_bytes=64 << 20)
     await WeightSync(trainer, engine, mode="distributed", run_dir=run)(version)
@@ -41,14 +42,18 @@ class ReceiverEngine:
         self.joins = 0
         """Groups joined so far (a reused group is not joined again)."""
 
-    async def _command(self, op: str, **fields: Any) -> dict[str, Any]:
+    async def _send(self, op: str, **fields: Any) -> None:
+        """Write one command; its answer comes in order (`_answer`)."""
         if self._process is None:
             self._process = await asyncio.create_subprocess_exec(
                 self.python, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
             )
-        assert self._process.stdin is not None and self._process.stdout is not None
+        assert self._process.stdin is not None
         self._process.stdin.write(json.dumps({"op": op, **fields}).encode() + b"\n")
         await self._process.stdin.drain()
+
+    async def _answer(self, op: str) -> dict[str, Any]:
+        assert self._process is not None and self._process.stdout is not None
         line = await self._process.stdout.readline()
         if not line:
             raise RuntimeError(f"the weight receiver exited (code {await self._process.wait()}) during {op}")
@@ -56,6 +61,10 @@ class ReceiverEngine:
         if not answer.get("ok"):
             raise RuntimeError(f"the weight receiver failed {op}: {answer.get('error')}")
         return answer
+
+    async def _command(self, op: str, **fields: Any) -> dict[str, Any]:
+        await self._send(op, **fields)
+        return await self._answer(op)
 
     async def engine_ranks(self) -> list[int]:
         return [1]
@@ -91,13 +100,15 @@ class ReceiverEngine:
                         timeout_s=self.timeout_s,
                     )
                     self.joins += 1
+            sent = 0  # every bucket's command at once: the receiver takes them in order, without a round trip each
             for group in weights.groups:
                 meta = {name: (dtype, shape) for name, dtype, shape in group.tensors}
                 for bucket in group.buckets:
                     dtypes, shapes = [meta[n][0] for n in bucket], [list(meta[n][1]) for n in bucket]
-                    await self._command(
-                        "receive", group_name=group.name, names=list(bucket), dtypes=dtypes, shapes=shapes
-                    )
+                    await self._send("receive", group_name=group.name, names=list(bucket), dtypes=dtypes, shapes=shapes)
+                    sent += 1
+            for _ in range(sent):
+                await self._answer("receive")
             await sending
         except BaseException:
             sending.cancel()
@@ -153,9 +164,10 @@ def _serve() -> None:
             elif op == "receive":
                 group = groups[command["group_name"]]
                 for name, dtype, shape in zip(command["names"], command["dtypes"], command["shapes"], strict=True):
-                    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-                    dist.broadcast(tensor, src=0, group=group)
-                    held[name] = tensor
+                    tensor = held.get(name)
+                    if tensor is None or list(tensor.shape) != shape or tensor.dtype != getattr(torch, dtype):
+                        tensor = held[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                    dist.broadcast(tensor, src=0, group=group)  # into the buffer of the last sync, as weights
             elif op == "save":
                 save_file(held, command["path"])
             elif op == "destroy":

@@ -9,8 +9,9 @@ ranks hold slices of, with no data exchange at save or load, readable at another
 size (not at another TP/PP split: resharding those needs `fully_reshardable`, which gathers the
 state over the data-parallel ranks). Every rank writes its own shards in parallel (megatron's
 fully parallel strategy spreads replicated tensors over the data-parallel ranks). `load` reads
-what this rank's shards need, then restores the step counters and rank 0's RNG state (CPU generators only: every rank
-seeds and draws alike). The Hugging Face export is separate (`MegatronTrainer.export`).
+what this rank's shards need, then restores the step counters and rank 0's RNG state (CPU
+generators only: every rank seeds and draws alike). The Hugging Face export is separate
+(`MegatronTrainer.export`).
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def save(trainer: Any, directory: Path) -> None:
     if trainer.rank == 0:
         checkpoint.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    _init_adam_state(trainer)
-    state = _sharded_state(trainer, loading=False)
+    with torch.no_grad():
+        _init_adam_state(trainer)
+        state = _sharded_state(trainer, loading=False)
     state["patchgym"] = {
         "format": FORMAT,
         "version": trainer.version,
@@ -123,13 +125,16 @@ def load(trainer: Any, directory: Path) -> None:
             f"{directory} is not a megatron distributed checkpoint (no dist/metadata.json); checkpoints of "
             "patchgym before distributed checkpointing (megatron_state_rank*.pt) cannot be resumed"
         )
-    _init_adam_state(trainer)
-    state = dist_checkpointing.load(_sharded_state(trainer, loading=True), str(checkpoint))
-    if state["patchgym"].get("format") != FORMAT:
-        raise ConfigError(f"{checkpoint}: unknown checkpoint format {state['patchgym'].get('format')!r}")
-    trainer.gpt.load_state_dict(state["model"], strict=True)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    _set_adam_steps(trainer, state["patchgym"]["adam_steps"])
+    # no_grad: in float32 the distributed optimizer's main parameters are views of the model's
+    # parameters (leaves that require grad), which the load writes in place
+    with torch.no_grad():
+        _init_adam_state(trainer)
+        state = dist_checkpointing.load(_sharded_state(trainer, loading=True), str(checkpoint))
+        if state["patchgym"].get("format") != FORMAT:
+            raise ConfigError(f"{checkpoint}: unknown checkpoint format {state['patchgym'].get('format')!r}")
+        trainer.gpt.load_state_dict(state["model"], strict=True)
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        _set_adam_steps(trainer, state["patchgym"]["adam_steps"])
     trainer.model.zero_grad_buffer()
     set_rng_state(state["patchgym"]["rng"])
     trainer.version, trainer.step_count = state["patchgym"]["version"], state["patchgym"]["step"]

@@ -4,7 +4,8 @@ Each rank reads only the tensors of its own shard, one at a time: the safetensor
 opened with `safe_open` (through `model.safetensors.index.json` when there is one, else every
 `*.safetensors` file's header), a tensor split by tensor parallelism on one HF source is read as
 a slice (`get_slice`), an expert only where this expert-parallel rank holds it, a layer only on
-the pipeline stage that builds it; tensors joined from several HF ones (qkv, gate/up) are joined
+the pipeline stage that builds it (an expert stored in transformers' fused layout: one expert's
+rows of the fused tensor); tensors joined from several HF ones (qkv, gate/up) are joined
 from the slices. Host memory at load is this rank's shard plus one tensor of it, not the model.
 
 `hf_sources` names the HF tensors behind one megatron tensor and how they combine (the inverse of
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from patchgym.backends.trainer.megatron_convert import COLUMN_PARALLEL, ROW_PARALLEL, Layout
+from patchgym.backends.trainer.megatron_convert import COLUMN_PARALLEL, ROW_PARALLEL, Layout, shard
 from patchgym.core.errors import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -142,6 +143,9 @@ def read_shard(
     v; for fc1, its rows of gate and of up), a row-parallel tensor's columns."""
     for name, (tp, rank) in wanted.items():
         sources, join = hf_sources(layout, name)
+        if sources[0] not in weights.files and ".mlp.experts.local_experts." in name:
+            yield name, _fused_expert(weights, name, tp, rank)
+            continue
         if name.endswith(ROW_PARALLEL):
             dim: int | None = 1
         elif name.endswith((*COLUMN_PARALLEL, "linear_fc1.weight")):
@@ -153,6 +157,20 @@ def read_shard(
             yield name, parts[0]
         else:  # qkv of this rank's query groups, or [gate; up] of its rows
             yield name, join(*parts, groups=layout.groups // tp) if ".linear_qkv." in name else join(*parts)
+
+
+def _fused_expert(weights: SafetensorsDir, name: str, tp: int, rank: int) -> torch.Tensor:
+    """An expert's part from transformers' fused layout (`mlp.experts.gate_up_proj` [E, 2I, H] with
+    gate rows first, `mlp.experts.down_proj` [E, H, I]), one expert read."""
+    match = _LAYER.match(name)
+    expert = _EXPERT.match(match[2]) if match else None
+    if match is None or expert is None:
+        raise ConfigError(f"no HF source known for megatron tensor {name}")
+    fused = f"model.layers.{match[1]}.mlp.experts." + ("gate_up_proj" if expert[2] == "linear_fc1" else "down_proj")
+    index = int(expert[1])
+    tensor = weights._handle(fused).get_slice(fused)[index : index + 1][0]
+    weights.bytes_read += tensor.numel() * tensor.element_size()
+    return shard(name, tensor, tp, rank).clone()
 
 
 def load_params(

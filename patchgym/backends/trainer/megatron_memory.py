@@ -96,8 +96,9 @@ def check_dense_fits(
     need = dense_attention_bytes(heads, tokens, act_bytes, layers)
     if need > device_bytes:
         raise ConfigError(
-            f"attention: dense at micro_batch_tokens={tokens} needs about {need / 1e9:.1f} GB for the [s, s] attention "
-            f"scores and mask of one micro-batch ({layers} layers x {heads:g} heads), more than the "
-            f"{device_bytes / 1e9:.1f} GB of {device}: set trainer.options attention: varlen (memory linear in "
-            "tokens), or lower micro_batch_tokens (and agent.max_tokens_per_trajectory, which must fit in it)"
+            f"attention: dense at micro_batch_tokens={tokens} needs about {need / 1e9:.1f} GB for the [s, s] "
+            f"attention scores (saved, and one layer's backward) and mask of one micro-batch ({layers} layers x "
+            f"{heads:g} heads), more than the {device_bytes / 1e9:.1f} GB of {device}: set trainer.options "
+            "attention: varlen (memory linear in tokens), or lower micro_batch_tokens (and "
+            "agent.max_tokens_per_trajectory, which must fit in it)"
         )

@@ -65,18 +65,29 @@ class _Tree:
         return path in self.added or (self.existed(path) and path not in self.deleted)
 
 
+MAX_SOURCE_BYTES = 5_000_000
+"""A Python file larger than this is not parsed (time and memory) but is itself a finding."""
+
+
 def tamper_findings(
-    changes: Iterable[FileChange], limit: int = 20, *, pristine: Collection[str] | None = None
+    changes: Iterable[FileChange],
+    limit: int = 20,
+    *,
+    pristine: Collection[str] | None = None,
+    max_source_bytes: int = MAX_SOURCE_BYTES,
 ) -> list[Finding]:
     """Suspicious changes among `changes` (the agent's non-test changes), at most `limit`.
     `pristine`: every path of the pristine tree, where known (to tell new top-level modules and
-    the framework's own package); without it only the changes decide."""
+    the framework's own package); without it only the changes decide. A Python file over
+    `max_source_bytes` is a finding rather than parsed."""
     changes = list(changes)
     tree = _Tree(changes, pristine)
     findings: list[Finding] = []
     for change in changes:
         findings.extend(
-            finding for finding in check_change(change, tree.existed, tree.exists) if not _own_framework(finding, tree)
+            finding
+            for finding in check_change(change, tree.existed, tree.exists, max_source_bytes)
+            if not _own_framework(finding, tree)
         )
         if len(findings) >= limit:
             break
@@ -92,7 +103,10 @@ def _own_framework(finding: Finding, tree: _Tree) -> bool:
 
 
 def check_change(
-    change: FileChange, existed: Callable[[str], bool], exists: Callable[[str], bool]
+    change: FileChange,
+    existed: Callable[[str], bool],
+    exists: Callable[[str], bool],
+    max_source_bytes: int = MAX_SOURCE_BYTES,
 ) -> Iterator[Finding]:
     """The findings of one changed path; `existed`/`exists`: whether a path is in the pristine /
     the agent's tree."""
@@ -106,7 +120,12 @@ def check_change(
     if layout.is_env_file(path) or path.endswith((".py", ".pth")):
         yield from _runner_env(change)
     if python_source.is_python(path, change.new) and not layout.framework_package(path, existed):
-        yield from _python(change)
+        if len(change.new) > max_source_bytes:
+            yield Finding(
+                path, 0, names.UNPARSEABLE, f"{len(change.new)} bytes: over max_source_bytes {max_source_bytes}"
+            )
+        else:
+            yield from _python(change)
 
 
 def _shadowing(change: FileChange, existed: Callable[[str], bool], exists: Callable[[str], bool]) -> Iterator[Finding]:
@@ -165,7 +184,16 @@ def _python(change: FileChange) -> Iterator[Finding]:
     old_tree = python_source.parse(change.old) if change.old is not None else None
     if new_tree is None:
         if change.old is None or old_tree is not None:
-            yield Finding(change.path, 0, names.UNPARSEABLE, "does not parse as the interpreter reads it")
+            # newer syntax than this interpreter's, or a deliberate error: suspect only where its
+            # tokens name what the checks look for (or it does not even tokenize)
+            suspicious = python_source.unparsed_names(change.new)
+            if suspicious is None or suspicious:
+                text = (
+                    "does not tokenize"
+                    if suspicious is None
+                    else f"does not parse here; names {sorted(suspicious)[:5]}"
+                )
+                yield Finding(change.path, 0, names.UNPARSEABLE, text)
         return
     before = Counter(c.key for c in python_source.constructs(old_tree)) if old_tree is not None else Counter()
     for construct in python_source.constructs(new_tree):

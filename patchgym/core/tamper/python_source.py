@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import builtins
+import io
 import re
+import tokenize
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +50,37 @@ def parse(data: bytes) -> ast.Module | None:
         return None
 
 
+SUSPICIOUS_TOKENS = (
+    names.FRAMEWORK_MODULES
+    | {name.rsplit(".", 1)[-1] for name in names.REACHES}
+    | {name.split(".")[0] for name in names.REACHES}
+    | set(names.ATTRIBUTES)
+    | {name.rsplit(".", 1)[-1] for name in names.IMPORTERS | names.EXECUTORS}
+    | {"importlib", "runpy", "pkgutil", "getattr", "vars", "globals", "setattr"}
+) - {"sys", "os", "types", "signal", "inspect"}
+"""Names whose presence in a file that does not parse here leaves the file suspect."""
+
+
+def unparsed_names(data: bytes) -> set[str] | None:
+    """For a file `ast` cannot parse on this interpreter (newer syntax, a deliberate error): the
+    suspicious names its tokens hold (in strings too), or None if it cannot even be tokenized
+    under its declared encoding."""
+    found: set[str] = set()
+    try:
+        for token in tokenize.tokenize(io.BytesIO(data).readline):
+            if token.type == tokenize.NAME and token.string in SUSPICIOUS_TOKENS:
+                found.add(token.string)
+            elif token.type == tokenize.STRING:
+                found |= {
+                    word
+                    for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", token.string)
+                    if word in names.FRAMEWORK_MODULES
+                }
+    except (tokenize.TokenError, SyntaxError, UnicodeError, LookupError, ValueError):
+        return None
+    return found
+
+
 def constructs(tree: ast.Module) -> list[Construct]:
     """Every suspicious construct of a parsed module."""
     return list(_Visitor(tree).run())
@@ -68,16 +101,17 @@ class _Visitor(ast.NodeVisitor):
         self.shadowed: set[str] = set()
         self.found: list[Construct] = []
         self.folding = False
-        self.parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        nodes = list(ast.walk(tree))  # one walk, read by every table below
+        self.parents = {child: node for node in nodes for child in ast.iter_child_nodes(node)}
         self.imported = {
             alias.asname or alias.name.split(".")[0]
-            for node in ast.walk(tree)
+            for node in nodes
             if isinstance(node, ast.Import | ast.ImportFrom)
             for alias in node.names
         }
         constants: dict[str, ast.expr] = {}
         assigned: dict[str, int] = {}
-        for node in ast.walk(tree):
+        for node in nodes:
             for target, value in _assignments(node):
                 if isinstance(target, ast.Name):
                     assigned[target.id] = assigned.get(target.id, 0) + 1
@@ -91,13 +125,13 @@ class _Visitor(ast.NodeVisitor):
             | self.shadowed
             | {
                 arg.arg
-                for node in ast.walk(tree)
+                for node in nodes
                 if isinstance(node, ast.arguments)
                 for arg in (*node.posonlyargs, *node.args, *node.kwonlyargs)
             }
         )
         # module aliases: every import binds a name, and `m = sys` binds one more
-        for node in ast.walk(tree):
+        for node in nodes:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname:
@@ -108,7 +142,7 @@ class _Visitor(ast.NodeVisitor):
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for alias in node.names:
                     self.aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-        for node in ast.walk(tree):
+        for node in nodes:
             for target, value in _assignments(node):
                 if isinstance(target, ast.Name) and target.id not in self.aliases:
                     resolved = self.qualname(value)
@@ -334,7 +368,8 @@ class _Visitor(ast.NodeVisitor):
         if any(word in lowered for word in names.REPORT_WORDS):
             self.add(names.REPORT, node, f"{names.REPORT}: {text[:100]}")
         for variable in names.RUNNER_ENV_NAMES:
-            if variable in text:
+            # in Python only pytest's own variables: honest code reads PYTHONPATH and the like
+            if variable.startswith("PYTEST_") and variable in text:
                 self.add(names.RUNNER_ENV, node, f"{names.RUNNER_ENV}: {variable}")
         if "pytest11" in text:
             self.add(names.PLUGIN, node, "pytest11")
