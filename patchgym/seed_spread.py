@@ -4,7 +4,7 @@
 (mean of the first and of the last `window` GRPO steps) over the runs: the mean, the standard
 deviation and the range [min, max], with how many runs reached each figure (a run still going,
 or stopped, counts only where it got to). `spread_plot(run_dirs, out)` draws the training reward
-per step, smoothed, as the mean over the runs with a band from the lowest to the highest run.
+per step, smoothed: each run, and the mean with a band from the lowest to the highest run.
 `patchgym report RUN_A RUN_B RUN_C ...` prints the table and draws the plot.
 """
 
@@ -64,22 +64,21 @@ def spread_table(run_dirs: Sequence[str | Path], window: int = 10) -> str:
 
 
 def spread_plot(run_dirs: Sequence[str | Path], out: Path, window: int = SMOOTHING_STEPS) -> Path:
-    """The training reward of several runs per step (each smoothed): mean and min–max band over the
-    runs that reached the step (marked where that number changes), into `out/reward_spread.png`."""
+    """The training reward of several runs per step (each smoothed): every run as a thin line as far as it
+    got, and the mean and min–max band over the steps every run reached, into `out/reward_spread.png`."""
     plt = _plt()
     curves = [smoothed([s["reward_mean"] for s in read_events(d, "step")], window) for d in run_dirs]
-    longest = max((len(c) for c in curves), default=0)
+    common = min((len(c) for c in curves), default=0)
     fig, ax = plt.subplots(figsize=(8, 5.2))
-    if longest:
-        columns = [[c[i] for c in curves if len(c) > i] for i in range(longest)]  # the runs that got there
-        x = list(range(1, longest + 1))
+    for n, curve in enumerate(c for c in curves if c):  # every run as far as it got, thin
+        ax.plot(range(1, len(curve) + 1), curve, color="0.5", linewidth=0.8, label="each run" if n == 0 else None)
+    if common:  # mean and range only where every run has a value: a run that stopped shifts nothing
+        columns = [[c[i] for c in curves] for i in range(common)]
+        x = list(range(1, common + 1))
         ax.fill_between(x, [min(v) for v in columns], [max(v) for v in columns], alpha=0.25, label="range over runs")
-        ax.plot(x, [statistics.fmean(v) for v in columns], linewidth=2, label="mean over runs")
-        counts = [len(v) for v in columns]
-        for n, runs in enumerate(counts):
-            if n == 0 or runs != counts[n - 1]:  # where runs stop: the band narrows to fewer of them
-                ax.annotate(f"{runs} runs", (x[n], 0.02), fontsize=7, color="0.4")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+        ax.plot(x, [statistics.fmean(v) for v in columns], linewidth=2, label=f"mean over {len(curves)} runs")
+    if any(curves):
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
     ax.set(
         xlabel="GRPO step",
         ylabel=f"training reward (mean of {window} steps)",

@@ -352,7 +352,7 @@ class Pipeline:
         }
         self.log.emit("eval", stage=stage, step=self.state.grpo_step, **result)
         self.results[stage] = result
-        self.console.print(eval_line(stage, result), highlight=False)
+        self.console.print(eval_line(stage, result), highlight=False, soft_wrap=True)  # one line in a log file too
         return result
 
     def _token_cap(self) -> int:
