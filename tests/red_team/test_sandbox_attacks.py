@@ -278,7 +278,9 @@ async def test_a_command_filling_the_disk_is_stopped_at_the_quota(kind: str, tmp
     backend = make(kind, tmp_path, disk_quota_mb=48, disk_check_interval_s=0.5)
     sandbox = await backend.create(SandboxSpec(workspace=spec.workspace, labels={"red": "quota"}))
     try:
-        filler = "i=0; while true; do i=$((i+1)); head -c 4000000 /dev/zero > fill$i || exit 9; done"
+        # at most ~80 MB/s (a pause after each 4 MB), so that one check interval's overshoot is bounded
+        # in bytes on any machine: an unpaced writer on a fast disk passes 200 MB between two checks
+        filler = "i=0; while true; do i=$((i+1)); head -c 4000000 /dev/zero > fill$i || exit 9; sleep 0.05; done"
         done = await sandbox.exec(filler, timeout_s=600)
         assert done.exit_code in (137, 9) and "over its disk quota" in done.stderr, done
         used = await sandbox.exec("du -sk . | cut -f1", timeout_s=60)

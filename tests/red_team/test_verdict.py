@@ -265,10 +265,11 @@ async def test_printed_results_are_not_read(arena: Arena) -> None:
 
 
 async def test_a_stand_in_runner_has_no_verdict(arena: Arena) -> None:
-    if arena.kind != "docker":
-        pytest.skip("bwrap runs the host's pytest console script, which a module in the repository cannot shadow")
+    """On Docker `python3 -m pytest` imports the stand-in, which cannot give the grader's record; bwrap
+    runs the host's pytest console script, which the module cannot shadow: the real tests fail."""
     graded = await grade(arena.swe, arena, [heredoc("pytest.py", STAND_IN_RUNNER)], **NO_CHECK)
-    assert (graded["reward"], graded["details"]["reason"]) == (0.0, "no_verdict"), graded["details"]
+    reason = "no_verdict" if arena.kind == "docker" else "tests_failed"
+    assert (graded["reward"], graded["details"]["reason"]) == (0.0, reason), graded["details"]
 
 
 # -- 5. grading the code under test can tell apart ---------------------------------------------
