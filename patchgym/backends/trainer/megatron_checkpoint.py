@@ -17,6 +17,7 @@ generators only: every rank seeds and draws alike). The Hugging Face export is s
 from __future__ import annotations
 
 import json
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,19 @@ def _sharded_state(trainer: Any, *, loading: bool) -> dict[str, Any]:
 
 
 def _save_strategy(group: Any) -> Any:
-    """torch_dist, with the writing of replicated tensors spread over the data-parallel ranks."""
+    """torch_dist, with the writing of replicated tensors spread over the data-parallel ranks.
+
+    megatron's writer collects its write results in a module-level queue, by default a
+    `multiprocessing.Manager().Queue()`: a server process that outlives a rank killed by a signal.
+    Our saves are synchronous (the results are put and read in this process), so a thread queue
+    serves and no process is started.
+    """
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), group)
 
