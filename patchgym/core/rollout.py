@@ -394,15 +394,10 @@ class RolloutManager:
             "staleness_max": max(self.version - g.start_version for g in groups),
             "tail_share_after_90pct": (end - t90) / (end - begin) if end > begin else 0.0,
             "terminations": dict(Counter(t.termination or "none" for t in trajectories)),
-            "grade_reasons": dict(Counter(_grade_reason(t.grade) for t in trajectories)),
-            "canary_failures": sum(_grade_reason(t.grade) == "canary" for t in trajectories),
+            "grade_reasons": dict(Counter(t.grade_reason for t in trajectories)),
+            "canary_failures": sum(t.grade_reason == "canary" for t in trajectories),
             "limits": self.config.model_dump(),
         }
-
-
-def _grade_reason(grade: dict[str, Any] | None) -> str:
-    """Why an episode got its reward (`resolved`, `tests_failed`, `canary`, ...; `ungraded`)."""
-    return str(((grade or {}).get("details") or {}).get("reason", "ungraded"))
 
 
 def _outcomes(batch: Batch) -> dict[str, Any]:

@@ -60,6 +60,11 @@ class Trajectory:
         return bool(self.grade and self.grade.get("resolved"))
 
     @property
+    def grade_reason(self) -> str:
+        """Why the episode got its reward (`resolved`, `tests_failed`, `canary`, ...; `ungraded`)."""
+        return str(((self.grade or {}).get("details") or {}).get("reason", "ungraded"))
+
+    @property
     def commands(self) -> int:
         """Command turns before the episode ended: neither the submitting turn nor a malformed message counts."""
         return sum(turn.kind == "command" for turn in self.turns)

@@ -131,6 +131,7 @@ def describe(trajectory: Trajectory) -> dict[str, Any]:
         "commands": trajectory.commands,
         "reward": trajectory.reward,
         "resolved": trajectory.resolved,
+        "grade_reason": trajectory.grade_reason,
         "infra_error": trajectory.infra_error,
         "timings": dict(trajectory.timings),
         "policy_versions": sorted({v for v in trajectory.policy_versions if v >= 0}),
