@@ -114,3 +114,53 @@ async def test_a_ray_call_that_failed_because_a_peer_rank_died_names_that_rank()
     trainer.ranks = SimpleNamespace(dead=lambda **_: [], check_s=7.0)
     with pytest.raises(ray.exceptions.RayTaskError):  # no rank is gone: the call's own error stands
         await trainer._guarded(failed_call())
+
+
+async def test_every_trainer_call_the_ray_proxy_makes_is_one_rank_0_serves(tmp_path: Any) -> None:
+    """A method the proxy forwards that rank 0's actor does not serve fails only on a real cluster
+    (the export step did): each proxied call's name must be in `SERVED`, and reach the trainer."""
+    pytest.importorskip("ray")
+    from patchgym.launch.ray_trainer import SERVED, RankActor, RayTrainer
+
+    forwarded: list[str] = []
+    trainer = RayTrainer.__new__(RayTrainer)
+
+    async def call(method: str, *args: Any) -> Any:
+        forwarded.append(method)
+        return [] if method == "weight_stages" else None
+
+    trainer._call = call  # type: ignore[method-assign]
+    trainer._stages = None
+    calls = {
+        "logprobs": (None,),
+        "train_step": (None, None),
+        "set_lr": (1e-3,),
+        "reset_optimizer": (),
+        "weights": (),
+        "weight_stages": (),
+        "open_weight_groups": ([],),
+        "broadcast_weights": ([], []),
+        "save": (tmp_path,),
+        "load": (tmp_path,),
+        "export": (tmp_path,),
+    }
+    for name, args in calls.items():
+        await getattr(trainer, name)(*args)
+    assert forwarded and set(forwarded) <= set(SERVED), set(forwarded) - set(SERVED)
+
+    served: list[str] = []
+
+    class Trainer:
+        def __getattr__(self, name: str) -> Any:
+            async def method(*args: Any) -> str:
+                served.append(name)
+                return name
+
+            return method
+
+    actor = RankActor.__new__(RankActor)
+    actor.trainer = Trainer()
+    for name in forwarded:
+        assert await actor.call(name) == name
+    with pytest.raises(AttributeError, match="does not serve 'aclose'"):
+        await actor.call("aclose")

@@ -37,7 +37,7 @@ from patchgym.launch.ray_cluster import (
 )
 
 SERVED = ("logprobs", "train_step", "set_lr", "reset_optimizer", "weights", "weight_stages")
-SERVED += ("open_weight_groups", "broadcast_weights", "save", "load")
+SERVED += ("open_weight_groups", "broadcast_weights", "save", "load", "export")
 """The trainer methods the driver may call on rank 0."""
 
 
